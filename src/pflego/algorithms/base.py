@@ -1,0 +1,166 @@
+"""The algorithm contract: pure functions over parameter dicts, and the registry of algorithms.
+
+An algorithm never loops over clients, aggregates in place, logs, does I/O, calls ``.item()`` or
+branches in Python on tensor values. That is what lets the same methods run in the loop backend,
+under ``torch.func.vmap`` and inside a Flower client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from pflego import tree
+from pflego.errors import ConfigError
+from pflego.local import masked_cross_entropy
+from pflego.models import SplitModel, head_logits, init_head
+from pflego.optim import SGD, Optimizer
+from pflego.tree import Params
+from pflego.types import ClientData, ClientOut, ClientState, RoundContext, ServerState
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """Base class of every algorithm; subclasses add their hyperparameters as dataclass fields.
+
+    Roles are declared, never inferred from names inside the maths: ``shared`` lists the parameter
+    groups the server holds (``body``, ``head``), ``personal`` those that live on the client.
+    ``label_space`` is ``global`` for a C-way head or ``local`` for a head over the client's own
+    K_i classes.
+    """
+
+    model: SplitModel
+    client_optimizer: Optimizer = field(default_factory=SGD)
+    server_optimizer: Optimizer = field(default_factory=SGD)
+    head_init: str = "linear"
+
+    shared: ClassVar[tuple[str, ...]] = ("body", "head")
+    personal: ClassVar[tuple[str, ...]] = ()
+    label_space: ClassVar[str] = "global"
+    default_server_lr: ClassVar[float] = 1.0
+
+    # --- server side --------------------------------------------------------------------------
+
+    def init_params(self, seed: int, dtype: torch.dtype = torch.float32) -> Params:
+        """The shared model at round 0 (body, plus a C-way head when the head is shared)."""
+        params = self.model.init_body(seed, dtype)
+        if "head" in self.shared:
+            gen = torch.Generator().manual_seed(seed + 1)
+            params |= init_head(
+                self.model.num_classes, self.model.feature_dim, gen, self.head_init, dtype
+            )
+        return params
+
+    def init_server(self, params: Params) -> ServerState:
+        """Server state: the shared parameters and the server optimizer's state."""
+        return {"params": params, "opt": self.server_optimizer.init(params)}
+
+    def downlink(self, server: ServerState, ctx: RoundContext) -> Params:
+        """What the server sends every sampled client."""
+        return server["params"]
+
+    def aggregate(self, out: ClientOut, ctx: RoundContext) -> Params:
+        """Combine the cohort's uploads (stacked on axis 0); default: mean weighted by ``out.weight``."""
+        return tree.weighted_sum(out.upload, out.weight / out.weight.sum())
+
+    def server_update(
+        self, server: ServerState, aggregated: Params, ctx: RoundContext
+    ) -> ServerState:
+        """One server-optimizer step along the aggregated pseudo-gradient (lr 1 SGD = averaging)."""
+        params, opt = self.server_optimizer.update(
+            server["params"], aggregated, server["opt"], ctx.server_lr
+        )
+        return {**server, "params": params, "opt": opt}
+
+    # --- client side --------------------------------------------------------------------------
+
+    @property
+    def head_width(self) -> int:
+        return (
+            self.model.max_local_classes if self.label_space == "local" else self.model.num_classes
+        )
+
+    def init_client(
+        self, downlink: Params, generator: torch.Generator, ctx: RoundContext
+    ) -> ClientState:
+        """Private state at a client's first visit (a personal head when the head is personal)."""
+        if "head" not in self.personal:
+            return {}
+        dtype = next(iter(downlink.values())).dtype
+        return init_head(self.head_width, self.model.feature_dim, generator, self.head_init, dtype)
+
+    def client_update(
+        self, downlink: Params, state: ClientState, data: ClientData, ctx: RoundContext
+    ) -> tuple[ClientOut, ClientState]:
+        """One round of local work: returns the upload and the client's new private state."""
+        raise NotImplementedError
+
+    def predict(self, downlink: Params, state: ClientState, x: Tensor) -> Tensor:
+        """Logits of the client's personalized model."""
+        return self.model.forward({**downlink, **state}, x)
+
+    # --- helpers shared by the weight-averaging methods -----------------------------------------
+
+    def loss(
+        self, params: Params, x: Tensor, y: Tensor, mask: Tensor, label_mask: Tensor
+    ) -> Tensor:
+        """Masked cross-entropy of the whole model on a batch."""
+        return masked_cross_entropy(self.model.forward(params, x), y, mask, label_mask)
+
+    def head_loss(
+        self, head: Params, features: Tensor, y: Tensor, mask: Tensor, label_mask: Tensor
+    ) -> Tensor:
+        """Masked cross-entropy of a head on precomputed features."""
+        return masked_cross_entropy(head_logits(head, features), y, mask, label_mask)
+
+
+ALGORITHMS: dict[str, type[Algorithm]] = {}
+
+
+def register(name: str):
+    """Class decorator that adds an algorithm to the registry."""
+
+    def wrap(cls: type[Algorithm]) -> type[Algorithm]:
+        cls.name = name
+        ALGORITHMS[name] = cls
+        return cls
+
+    return wrap
+
+
+def hyperparameters(cls: type[Algorithm]) -> dict[str, Any]:
+    """An algorithm's own options and their defaults (the fields beyond the base class)."""
+    base = {f.name for f in dataclasses.fields(Algorithm)}
+    return {
+        f.name: f.default
+        for f in dataclasses.fields(cls)
+        if f.name not in base and f.default is not dataclasses.MISSING
+    }
+
+
+def build_algorithm(
+    name: str, model: SplitModel, options: dict[str, Any] | None = None, **common: Any
+) -> Algorithm:
+    """Instantiate a registered algorithm, checking its options."""
+    if name not in ALGORITHMS:
+        raise ConfigError(
+            f"unknown algorithm {name!r}; choose one of {', '.join(sorted(ALGORITHMS))}"
+        )
+    cls = ALGORITHMS[name]
+    known = hyperparameters(cls)
+    options = dict(options or {})
+    for key, value in options.items():
+        if key not in known:
+            valid = ", ".join(sorted(known)) or "none"
+            raise ConfigError(f"{name} has no option {key!r}; its options are: {valid}")
+        if isinstance(known[key], float) and isinstance(value, int):
+            options[key] = float(value)
+        elif known[key] is not None and not isinstance(value, type(known[key])):
+            raise ConfigError(
+                f"option {key}={value!r} of {name} must be a {type(known[key]).__name__}"
+            )
+    return cls(model=model, **common, **options)

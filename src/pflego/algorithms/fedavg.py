@@ -1,0 +1,38 @@
+"""FedAvg: federated averaging of the whole model.
+
+McMahan, Moore, Ramage, Hampson, Agüera y Arcas. "Communication-Efficient Learning of Deep
+Networks from Decentralized Data". AISTATS 2017; arXiv:1602.05629.
+
+Each sampled client starts from the global model w, runs local steps on its data and uploads the
+pseudo-gradient ``w - w_i``; the server descends along the N_i-weighted mean, so server SGD with
+lr 1 (the default) is exactly weighted averaging. One C-way head is shared by all clients.
+
+Symbols to code: w -> all of ``body.*`` and ``head.*`` (shared), eta -> ``ctx.client_lr``.
+Local steps are full-batch gradient descent (``batch_size`` unset, as in the PFLEGO paper's
+comparison) or minibatch SGD.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pflego import tree
+from pflego.algorithms.base import Algorithm, register
+from pflego.local import train_steps
+from pflego.types import ClientData, ClientOut, RoundContext
+
+
+@register("fedavg")
+@dataclass(frozen=True)
+class FedAvg(Algorithm):
+    def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
+        loss = lambda p, x, y, m: self.loss({**p, **state}, x, y, m, data.label_mask)  # noqa: E731
+        trained, _, mean_loss = train_steps(
+            loss,
+            downlink,
+            data,
+            self.client_optimizer,
+            self.client_optimizer.init(downlink),
+            ctx.client_lr,
+        )
+        return ClientOut(tree.sub(downlink, trained), data.num_samples, {"loss": mean_loss}), state

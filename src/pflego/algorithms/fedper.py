@@ -1,0 +1,44 @@
+"""FedPer: federated learning with personalization layers.
+
+Arivazhagan, Aggarwal, Singh, Choudhary. "Federated Learning with Personalization Layers".
+arXiv:1912.00818, 2019.
+
+FedAvg on the body; each client keeps its own head, trained jointly with the body during local
+steps and never sent. Symbols to code: base layers -> ``body.*`` (shared, averaged by N_i),
+personalization layers -> ``head.*`` (personal, over the client's own K_i classes, as in the
+PFLEGO paper's comparison).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pflego import tree
+from pflego.algorithms.base import Algorithm, register
+from pflego.local import train_steps
+from pflego.types import ClientData, ClientOut, RoundContext
+
+
+@register("fedper")
+@dataclass(frozen=True)
+class FedPer(Algorithm):
+    shared: ClassVar[tuple[str, ...]] = ("body",)
+    personal: ClassVar[tuple[str, ...]] = ("head",)
+    label_space: ClassVar[str] = "local"
+
+    def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
+        params = {**downlink, **state}
+        loss = lambda p, x, y, m: self.loss(p, x, y, m, data.label_mask)  # noqa: E731
+        trained, _, mean_loss = train_steps(
+            loss,
+            params,
+            data,
+            self.client_optimizer,
+            self.client_optimizer.init(params),
+            ctx.client_lr,
+        )
+        upload = tree.sub(downlink, tree.select(trained, self.shared))
+        return ClientOut(upload, data.num_samples, {"loss": mean_loss}), tree.select(
+            trained, self.personal
+        )

@@ -1,0 +1,197 @@
+"""Experiment configuration: one frozen dataclass, loaded from YAML, dicts or CLI overrides.
+
+Every check happens here, before any data is loaded, and fails with a one-line message that
+names the setting and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pflego.errors import ConfigError
+
+SAMPLING = ("fixed", "bernoulli")
+BACKENDS = ("loop",)
+DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything that defines a run. Field names are the YAML keys and ``--set`` names."""
+
+    algorithm: str = "pflego"
+    dataset: str = "mnist5k"
+    data_dir: str | None = None
+    model: str = "auto"
+    partition: str = "classes"
+    classes_per_client: int | str = "high"
+    alpha: float = 0.5
+    min_client_size: int = 2
+    test_fraction: float = 0.25
+    clients: int = 50
+    participation: float = 0.2
+    sampling: str = "fixed"
+    rounds: int = 100
+    inner_steps: int = 50
+    local_epochs: float | None = None
+    batch_size: int | None = None
+    client_lr: float = 0.05
+    server_lr: float | None = None
+    client_optimizer: str = "sgd"
+    server_optimizer: str = "sgd"
+    momentum: float = 0.9
+    head_init: str = "linear"
+    options: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    eval_every: int = 10
+    average_last: int = 10
+    checkpoint_every: int = 10
+    backend: str = "loop"
+    device: str = "cpu"
+    dtype: str = "float32"
+    out: str | None = None
+
+    def replace(self, **changes: Any) -> Config:
+        """A validated copy with some fields changed."""
+        return from_dict({**to_dict(self), **changes})
+
+    def validate(self) -> Config:
+        """Check ranges and choices; returns ``self`` so calls chain."""
+        positive = {
+            "clients": self.clients,
+            "rounds": self.rounds,
+            "inner_steps": self.inner_steps,
+            "client_lr": self.client_lr,
+            "eval_every": self.eval_every,
+            "checkpoint_every": self.checkpoint_every,
+        }
+        for name, value in positive.items():
+            if not value > 0:
+                raise ConfigError(f"{name}={value} must be positive")
+        if self.server_lr is not None and not self.server_lr > 0:
+            raise ConfigError(f"server_lr={self.server_lr} must be positive")
+        for name in ("batch_size", "local_epochs"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name}={value} must be positive (or unset)")
+        if not 0 < self.participation <= 1:
+            raise ConfigError(
+                f"participation={self.participation} must lie in (0, 1]: the fraction of clients per round"
+            )
+        if self.average_last < 0:
+            raise ConfigError(f"average_last={self.average_last} must be 0 or more")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum={self.momentum} must lie in [0, 1)")
+        for name, choices in (("sampling", SAMPLING), ("backend", BACKENDS), ("dtype", DTYPES)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}"
+                )
+        if not isinstance(self.options, dict):
+            raise ConfigError("options must be a mapping of algorithm option names to values")
+        return self
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Convert a YAML / CLI value to the field's type, or fail with a clear message."""
+    hint = typing.get_type_hints(Config)[name]
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+        if type(None) in allowed:
+            return None
+        raise ConfigError(f"{name} cannot be empty")
+    for kind in allowed:
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if kind is str and isinstance(value, str):
+            return value
+        if typing.get_origin(kind) is dict and isinstance(value, dict):
+            return dict(value)
+    for kind in allowed:  # strings from the command line
+        if isinstance(value, str) and kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                continue
+    names = " or ".join(getattr(k, "__name__", str(k)) for k in allowed if k is not type(None))
+    raise ConfigError(f"{name}={value!r} must be {names}")
+
+
+def from_dict(values: dict[str, Any]) -> Config:
+    """A validated config from a mapping; unknown keys are errors."""
+    if not isinstance(values, dict):
+        raise ConfigError("a config must be a mapping of setting names to values")
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"unknown setting {unknown[0]!r}; valid settings: {', '.join(FIELDS)}")
+    return Config(**{k: _coerce(k, v) for k, v in values.items()}).validate()
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    """The config as plain values (the form written to ``config.yaml``)."""
+    return dataclasses.asdict(config)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping from a file, with one-line errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where else ""
+        raise ConfigError(f"config file {path} is not valid YAML{line}; fix its syntax") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of setting names to values")
+    return values
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``key=value`` strings (values parsed as YAML; ``options.k=v`` sets an algorithm option)."""
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {pair!r} must look like key=value")
+        try:
+            value = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError:
+            value = raw
+        if key.startswith("options."):
+            values.setdefault("options", {})[key[len("options.") :]] = value
+        else:
+            values[key] = value
+    return values
+
+
+def load_config(
+    source: Config | dict[str, Any] | str | Path | None = None, **overrides: Any
+) -> Config:
+    """A validated config from a ``Config``, a dict, a YAML path or nothing, plus overrides."""
+    if isinstance(source, Config):
+        base = to_dict(source)
+    elif isinstance(source, dict):
+        base = dict(source)
+    elif source is None:
+        base = {}
+    else:
+        base = read_yaml(source)
+    if "options" in overrides and "options" in base:
+        overrides["options"] = {**base["options"], **overrides["options"]}
+    return from_dict({**base, **overrides})

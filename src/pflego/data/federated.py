@@ -1,0 +1,198 @@
+"""Centralized arrays (``ArrayDataset``) and their federated form (``FederatedData``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pflego.data import partition as P
+from pflego.errors import ConfigError
+
+
+@dataclass
+class ArrayDataset:
+    """A dataset as loaded from disk, before it is split over clients.
+
+    Attributes:
+        name: Dataset name.
+        x_train: Training inputs ``[n, ...]`` (uint8 images or float features).
+        y_train: Training labels in ``0..num_classes-1``.
+        x_test: Official test inputs, or ``None`` when the dataset has no official split.
+        y_test: Official test labels, or ``None``.
+        num_classes: Number of classes C.
+        scale: Factor that turns stored inputs into model inputs (1/255 for uint8 images).
+        groups_train: Natural client of each training sample (writer, role, alphabet), if any.
+        groups_test: Natural client of each test sample, if any.
+        extra: Anything else a partition needs (for example coarse labels).
+    """
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray | None
+    y_test: np.ndarray | None
+    num_classes: int
+    scale: float = 1.0
+    groups_train: np.ndarray | None = None
+    groups_test: np.ndarray | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FederatedData:
+    """Every client's train and test data, held in memory as concatenated tensors.
+
+    Client ``i`` owns rows ``train_offsets[i]:train_offsets[i+1]`` of ``x_train`` (and likewise for
+    test). ``client_classes[i]`` lists its classes (global ids, padded with -1 to K_max); local labels
+    renumber them to ``0..K_i-1`` for personal heads.
+    """
+
+    name: str
+    num_classes: int
+    input_shape: tuple[int, ...]
+    scale: float
+    x_train: Tensor
+    y_train: Tensor
+    y_train_local: Tensor
+    train_offsets: Tensor
+    x_test: Tensor
+    y_test: Tensor
+    y_test_local: Tensor
+    test_offsets: Tensor
+    client_classes: Tensor
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.train_offsets) - 1
+
+    @property
+    def train_sizes(self) -> Tensor:
+        return self.train_offsets.diff()
+
+    @property
+    def test_sizes(self) -> Tensor:
+        return self.test_offsets.diff()
+
+    @property
+    def total_train(self) -> int:
+        return int(self.train_offsets[-1])
+
+    @property
+    def max_classes(self) -> int:
+        """K_max: the widest client label set (the personal head's width)."""
+        return self.client_classes.shape[1]
+
+    def inputs(self, x: Tensor) -> Tensor:
+        """Stored inputs as float32 model inputs."""
+        return x.to(torch.float32) * self.scale
+
+    def train_slice(self, i: int) -> slice:
+        return slice(int(self.train_offsets[i]), int(self.train_offsets[i + 1]))
+
+    def test_slice(self, i: int) -> slice:
+        return slice(int(self.test_offsets[i]), int(self.test_offsets[i + 1]))
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per client: its classes and its train / test sample counts."""
+        return [
+            {
+                "client": i,
+                "classes": [int(c) for c in self.client_classes[i] if c >= 0],
+                "train": int(self.train_sizes[i]),
+                "test": int(self.test_sizes[i]),
+            }
+            for i in range(self.num_clients)
+        ]
+
+
+def _concat(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray]) -> tuple[Tensor, Tensor, Tensor]:
+    idx = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
+    return (
+        torch.from_numpy(x[idx]),
+        torch.from_numpy(y[idx].astype(np.int64)),
+        torch.from_numpy(offsets),
+    )
+
+
+def _local_labels(y: Tensor, offsets: Tensor, classes: Tensor) -> Tensor:
+    local = torch.empty_like(y)
+    for i in range(len(offsets) - 1):
+        s = slice(int(offsets[i]), int(offsets[i + 1]))
+        local[s] = torch.searchsorted(classes[i][classes[i] >= 0], y[s])
+    return local
+
+
+def from_parts(
+    data: ArrayDataset,
+    train_parts: list[np.ndarray],
+    test_parts: list[np.ndarray],
+    x_test: np.ndarray | None = None,
+    y_test: np.ndarray | None = None,
+) -> FederatedData:
+    """Assemble ``FederatedData`` from per-client index arrays into the train and test pools."""
+    x_test = data.x_test if x_test is None else x_test
+    y_test = data.y_test if y_test is None else y_test
+    xtr, ytr, otr = _concat(data.x_train, data.y_train, train_parts)
+    xte, yte, ote = _concat(x_test, y_test, test_parts)
+    sets = [
+        np.union1d(data.y_train[a], y_test[b]).astype(np.int64)
+        for a, b in zip(train_parts, test_parts)
+    ]
+    k_max = max(1, max(len(s) for s in sets))
+    classes = torch.full((len(sets), k_max), -1, dtype=torch.int64)
+    for i, s in enumerate(sets):
+        classes[i, : len(s)] = torch.from_numpy(s)
+    return FederatedData(
+        name=data.name,
+        num_classes=data.num_classes,
+        input_shape=tuple(data.x_train.shape[1:]),
+        scale=data.scale,
+        x_train=xtr,
+        y_train=ytr,
+        y_train_local=_local_labels(ytr, otr, classes),
+        train_offsets=otr,
+        x_test=xte,
+        y_test=yte,
+        y_test_local=_local_labels(yte, ote, classes),
+        test_offsets=ote,
+        client_classes=classes,
+    )
+
+
+def federate(
+    data: ArrayDataset,
+    num_clients: int,
+    partition: str = "classes",
+    classes_per_client: int | str = "high",
+    alpha: float = 0.5,
+    min_client_size: int = 2,
+    test_fraction: float = 0.25,
+    seed: int = 0,
+) -> FederatedData:
+    """Split a dataset over clients.
+
+    With an official test split, the same share matrix deals train and test, so each client's test
+    data follows its training distribution. Without one, each client's samples are split at random
+    into train and test with ``test_fraction``.
+    """
+    if num_clients < 1:
+        raise ConfigError(f"clients={num_clients} must be at least 1")
+    if not 0 < test_fraction < 1:
+        raise ConfigError(f"test_fraction={test_fraction} must lie strictly between 0 and 1")
+    rng = np.random.default_rng([seed, 7])
+    k = P.resolve_classes_per_client(classes_per_client, data.num_classes)
+    shares = P.class_shares(partition, num_clients, data.num_classes, rng, k, alpha)
+    if data.x_test is None:
+        parts = P.enforce_min_size(P.deal(data.y_train, shares, rng), min_client_size, rng)
+        train_parts, test_parts = P.split_train_test(parts, test_fraction, rng)
+        return from_parts(data, train_parts, test_parts, data.x_train, data.y_train)
+    train_parts = P.enforce_min_size(P.deal(data.y_train, shares, rng), min_client_size, rng)
+    test_parts = P.deal(data.y_test, shares, rng)
+    if partition != "classes":
+        test_parts = P.enforce_min_size(test_parts, 1, rng)
+    return from_parts(data, train_parts, test_parts)

@@ -1,0 +1,16 @@
+"""User-facing errors: each becomes a one-line message and exit code 2 at the CLI."""
+
+
+class PflegoError(Exception):
+    """A problem with the user's input that training cannot start with.
+
+    The message names what is wrong and how to fix it, on one line.
+    """
+
+
+class ConfigError(PflegoError):
+    """An invalid or inconsistent configuration value."""
+
+
+class DataError(PflegoError):
+    """A missing, corrupt or unusable dataset file."""

@@ -1,0 +1,124 @@
+"""Run histories and run directories: metrics.jsonl, clients.csv, config, checkpoint, plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from pflego.errors import ConfigError
+
+CLIENT_COLUMNS = [
+    "round",
+    "client",
+    "n_train",
+    "n_test",
+    "train_loss",
+    "train_acc",
+    "test_loss",
+    "test_acc",
+]
+
+
+@dataclass
+class History:
+    """What a run measured: one record per evaluation, as in ``metrics.jsonl``.
+
+    Attributes:
+        records: Dicts with ``round``, ``algorithm``, ``train_loss``, ``test_acc``,
+            ``test_acc_weighted``, ``test_acc_p10``, ``seconds`` and more.
+        run_dir: Where the run was written, if anywhere.
+    """
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    run_dir: Path | None = None
+
+    def final(self, last: int = 1) -> dict[str, float]:
+        """Metrics averaged over the records of the last ``last`` rounds (the papers' reporting)."""
+        if not self.records:
+            return {}
+        final_round = self.records[-1]["round"]
+        window = [r for r in self.records if r["round"] > final_round - last] or self.records[-1:]
+        keys = [k for k, v in window[-1].items() if isinstance(v, float) and k != "seconds"]
+        out = {k: sum(r[k] for r in window) / len(window) for k in keys}
+        out["seconds"] = self.records[-1]["seconds"]
+        return out
+
+    def column(self, key: str) -> tuple[list[int], list[float]]:
+        """Rounds and values of one metric, for plotting."""
+        return [r["round"] for r in self.records], [r[key] for r in self.records]
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> History:
+        """Read a run directory's ``metrics.jsonl``."""
+        path = Path(run_dir) / "metrics.jsonl"
+        if not path.is_file():
+            raise ConfigError(f"{run_dir} has no metrics.jsonl; is it a pflego run directory?")
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return cls(records, Path(run_dir))
+
+
+def atomic_write(path: Path, write) -> None:
+    """Write through a temporary file and rename, so a crash never leaves a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+class RunDir:
+    """The files of one run."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    config = property(lambda self: self.path / "config.yaml")
+    metrics = property(lambda self: self.path / "metrics.jsonl")
+    clients = property(lambda self: self.path / "clients.csv")
+    checkpoint = property(lambda self: self.path / "checkpoint.pt")
+    partition = property(lambda self: self.path / "partition.json")
+
+    def start(self, config: dict[str, Any], partition: list[dict[str, Any]]) -> None:
+        """Write the resolved config and partition, and empty the logs of a fresh run."""
+        atomic_write(self.config, lambda p: p.write_text(yaml.safe_dump(config, sort_keys=False)))
+        atomic_write(self.partition, lambda p: p.write_text(json.dumps(partition)))
+        self.metrics.write_text("")
+        with self.clients.open("w", newline="") as f:
+            csv.writer(f).writerow(CLIENT_COLUMNS)
+
+    def log(self, record: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        """Append one evaluation: a metrics line and a row per client."""
+        with self.metrics.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        with self.clients.open("a", newline="") as f:
+            writer = csv.DictWriter(f, CLIENT_COLUMNS, extrasaction="ignore")
+            writer.writerows({"round": record["round"], **row} for row in rows)
+
+    def save_checkpoint(self, state: dict[str, Any]) -> None:
+        atomic_write(self.checkpoint, lambda p: torch.save(state, p))
+
+    def load_checkpoint(self) -> dict[str, Any]:
+        if not self.checkpoint.is_file():
+            raise ConfigError(f"{self.path} has no checkpoint.pt to resume from")
+        try:
+            return torch.load(self.checkpoint, weights_only=False)
+        except Exception as exc:  # noqa: BLE001  (any unreadable checkpoint is one user-facing error)
+            raise ConfigError(
+                f"{self.checkpoint} cannot be read ({type(exc).__name__}); start a new run"
+            ) from None
+
+    def rewind(self, records: list[dict[str, Any]], next_round: int) -> None:
+        """Drop log lines written after the checkpoint a resumed run starts from."""
+        self.metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+        with self.clients.open(newline="") as f:
+            kept = [row for row in csv.DictReader(f) if int(row["round"]) < next_round]
+        with self.clients.open("w", newline="") as f:
+            writer = csv.DictWriter(f, CLIENT_COLUMNS)
+            writer.writeheader()
+            writer.writerows(kept)

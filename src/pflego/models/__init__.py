@@ -1,0 +1,170 @@
+"""The split model (body -> M features, head -> logits) and the papers' architectures.
+
+Parameters live in one flat dict: ``body.<module path>`` for the body, ``head.weight`` and
+``head.bias`` for a linear head (``logits = phi @ W.T + b``, the bias being W's folded-in column).
+All functions are stateless (``torch.func.functional_call``) so they vmap over clients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from pflego.errors import ConfigError
+from pflego.tree import Params
+
+
+@dataclass
+class SplitModel:
+    """A body network and the size of the features it hands to a linear head.
+
+    Attributes:
+        body: Module mapping inputs to ``[batch, feature_dim]`` features; used statelessly.
+        feature_dim: M, the width of the features.
+        num_classes: C, the width of a head shared by all clients.
+        max_local_classes: K_max, the width of a personal head over a client's own classes.
+        name: Architecture name.
+    """
+
+    body: nn.Module
+    feature_dim: int
+    num_classes: int
+    max_local_classes: int
+    name: str = ""
+
+    def init_body(self, seed: int, dtype: torch.dtype = torch.float32) -> Params:
+        """Freshly initialized body parameters (PyTorch's default initializers, seeded)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for module in self.body.modules():
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+            return {
+                f"body.{k}": v.detach().clone().to(dtype) for k, v in self.body.named_parameters()
+            }
+
+    def features(self, params: Params, x: Tensor) -> Tensor:
+        """phi(x; theta) from the ``body.*`` entries of ``params``."""
+        body = {k[5:]: v for k, v in params.items() if k.startswith("body.")}
+        return functional_call(self.body, body, (x,))
+
+    def forward(self, params: Params, x: Tensor) -> Tensor:
+        """Logits of body and head together."""
+        return head_logits(params, self.features(params, x))
+
+
+def head_logits(params: Params, features: Tensor) -> Tensor:
+    """A linear head: ``features @ head.weight.T + head.bias``."""
+    return features @ params["head.weight"].T + params["head.bias"]
+
+
+HEAD_INITS = ("linear", "uniform", "zeros")
+
+
+def init_head(
+    out_dim: int,
+    feature_dim: int,
+    generator: torch.Generator,
+    kind: str = "linear",
+    dtype: torch.dtype = torch.float32,
+) -> Params:
+    """A head's parameters.
+
+    Args:
+        out_dim: Number of outputs (C for a shared head, K_max for a personal one).
+        feature_dim: M.
+        generator: Seeded generator, so every backend draws the same head.
+        kind: ``linear`` (PyTorch's ``nn.Linear`` default, U(-1/sqrt(M), 1/sqrt(M))),
+            ``uniform`` (U(0, 1), as the PFLEGO reference code), or ``zeros``.
+        dtype: Parameter dtype.
+    """
+    shape_w, shape_b = (out_dim, feature_dim), (out_dim,)
+    if kind == "zeros":
+        return {
+            "head.weight": torch.zeros(shape_w, dtype=dtype),
+            "head.bias": torch.zeros(shape_b, dtype=dtype),
+        }
+    if kind == "uniform":
+        low, high = 0.0, 1.0
+    elif kind == "linear":
+        high = 1 / math.sqrt(feature_dim)
+        low = -high
+    else:
+        raise ConfigError(f"unknown head_init {kind!r}; choose one of {', '.join(HEAD_INITS)}")
+    draw = lambda shape: (
+        torch.rand(shape, generator=generator, dtype=torch.float64) * (high - low) + low
+    )  # noqa: E731
+    return {"head.weight": draw(shape_w).to(dtype), "head.bias": draw(shape_b).to(dtype)}
+
+
+# --- architectures ----------------------------------------------------------------------------
+
+
+def _mlp(input_shape: tuple[int, ...], hidden: int = 200) -> tuple[nn.Module, int]:
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), hidden), nn.ReLU()), hidden
+
+
+def _linear(input_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
+    return nn.Flatten(), math.prod(input_shape)
+
+
+def _cifar_cnn(input_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
+    """The PFLEGO paper's CIFAR-10 CNN (M = 192)."""
+    channels, height, width = input_shape
+    conv = nn.Sequential(
+        nn.Conv2d(channels, 64, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2),
+        nn.Conv2d(64, 64, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2),
+        nn.Flatten(),
+    )
+    flat = conv(torch.zeros(1, *input_shape)).shape[1]
+    return nn.Sequential(conv, nn.Linear(flat, 384), nn.ReLU(), nn.Linear(384, 192), nn.ReLU()), 192
+
+
+def _conv4(input_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
+    """Four [Conv3x3 64, ReLU, MaxPool 2x2] blocks, no batch norm (Omniglot, M = 64 on 28x28)."""
+    layers: list[nn.Module] = []
+    in_ch = input_shape[0]
+    for _ in range(4):
+        layers += [nn.Conv2d(in_ch, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+        in_ch = 64
+    body = nn.Sequential(*layers, nn.Flatten())
+    return body, body(torch.zeros(1, *input_shape)).shape[1]
+
+
+ARCHITECTURES: dict[str, Callable[[tuple[int, ...]], tuple[nn.Module, int]]] = {
+    "mlp": _mlp,
+    "linear": _linear,
+    "cnn": _cifar_cnn,
+    "conv4": _conv4,
+}
+
+
+def build_model(
+    name: str, input_shape: tuple[int, ...], num_classes: int, max_local_classes: int
+) -> SplitModel:
+    """Build a registered architecture for inputs of ``input_shape``."""
+    if name not in ARCHITECTURES:
+        raise ConfigError(
+            f"unknown model {name!r}; choose one of {', '.join(sorted(ARCHITECTURES))}"
+        )
+    try:
+        body, dim = ARCHITECTURES[name](tuple(input_shape))
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(
+            f"model {name!r} does not fit inputs of shape {tuple(input_shape)} ({exc})"
+        ) from None
+    for p in body.parameters():
+        p.requires_grad_(False)
+    return SplitModel(body, dim, num_classes, max_local_classes, name)
+
+
+__all__ = ["ARCHITECTURES", "SplitModel", "build_model", "head_logits", "init_head"]

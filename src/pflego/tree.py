@@ -1,0 +1,88 @@
+"""Algebra on parameter dicts (``dict[str, Tensor]``), the currency of every algorithm.
+
+All functions are pure and work unchanged under ``torch.func.vmap``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+from torch import Tensor
+
+Params = dict[str, Tensor]
+
+
+def map_(
+    fn: Callable[..., Tensor], tree: Mapping[str, Tensor], *rest: Mapping[str, Tensor]
+) -> Params:
+    """Apply ``fn`` leaf-wise over one or more dicts with the same keys."""
+    return {k: fn(v, *(r[k] for r in rest)) for k, v in tree.items()}
+
+
+def add(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Params:
+    """Leaf-wise ``a + b``."""
+    return map_(torch.add, a, b)
+
+
+def sub(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Params:
+    """Leaf-wise ``a - b``."""
+    return map_(torch.sub, a, b)
+
+
+def scale(a: Mapping[str, Tensor], s: float | Tensor) -> Params:
+    """Leaf-wise ``s * a``."""
+    return {k: v * s for k, v in a.items()}
+
+
+def axpy(alpha: float | Tensor, x: Mapping[str, Tensor], y: Mapping[str, Tensor]) -> Params:
+    """Leaf-wise ``y + alpha * x``."""
+    return {k: y[k] + alpha * v for k, v in x.items()}
+
+
+def zeros_like(a: Mapping[str, Tensor]) -> Params:
+    """A dict of zeros shaped like ``a``."""
+    return {k: torch.zeros_like(v) for k, v in a.items()}
+
+
+def dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Tensor:
+    """Sum over leaves of the inner products ``<a_k, b_k>``."""
+    return sum((torch.sum(v * b[k]) for k, v in a.items()), torch.zeros(()))
+
+
+def sq_norm(a: Mapping[str, Tensor]) -> Tensor:
+    """Squared Euclidean norm of all leaves together."""
+    return dot(a, a)
+
+
+def where(cond: Tensor, a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Params:
+    """Leaf-wise ``a if cond else b`` for a scalar boolean tensor ``cond``."""
+    return {k: torch.where(cond, v, b[k]) for k, v in a.items()}
+
+
+def stack(trees: Iterable[Mapping[str, Tensor]]) -> Params:
+    """Stack dicts with the same keys along a new leading axis."""
+    trees = list(trees)
+    return {k: torch.stack([t[k] for t in trees]) for k in trees[0]} if trees else {}
+
+
+def unstack(tree: Mapping[str, Tensor]) -> list[Params]:
+    """Inverse of :func:`stack`."""
+    n = len(next(iter(tree.values()))) if tree else 0
+    return [{k: v[i] for k, v in tree.items()} for i in range(n)]
+
+
+def weighted_sum(stacked: Mapping[str, Tensor], weights: Tensor) -> Params:
+    """``sum_c weights[c] * stacked[k][c]`` for each leaf ``k``."""
+    return {k: torch.tensordot(weights.to(v.dtype), v, dims=1) for k, v in stacked.items()}
+
+
+def select(tree: Mapping[str, Tensor], prefixes: Iterable[str]) -> Params:
+    """The leaves whose names start with one of ``prefixes`` followed by a dot."""
+    prefixes = tuple(p + "." for p in prefixes)
+    return {k: v for k, v in tree.items() if k.startswith(prefixes)}
+
+
+def detach(tree: Mapping[str, Tensor]) -> Params:
+    """Detached copies of every leaf."""
+    return {k: v.detach() for k, v in tree.items()}

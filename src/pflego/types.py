@@ -1,0 +1,77 @@
+"""The data types that flow between the round loop and an algorithm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from torch import Tensor
+
+from pflego.tree import Params
+
+ClientState = dict[str, Tensor]
+ServerState = dict[str, Params]
+
+
+class ClientData(NamedTuple):
+    """One client's data for a round, as tensors (stacked with a leading cohort axis under vmap).
+
+    Attributes:
+        x: Inputs ``[n, ...]``, padded to the cohort's largest client in the vectorized backend.
+        y: Labels ``[n]`` in the algorithm's label space (global ids, or local ids for personal heads).
+        mask: ``[n]``, 1 for real samples and 0 for padding.
+        batches: ``[S, B]`` indices into ``x``: the minibatch of each local step.
+        batch_mask: ``[S, B]``, 1 for real entries; a step whose row is all zero does nothing.
+            Padding steps come first, so the last step is real for every client.
+        label_mask: ``[K]``, 1 for the logits this client's head really has (personal heads are
+            padded to K_max), all ones for a shared head.
+        num_samples: Scalar N_i, the client's number of training samples.
+    """
+
+    x: Tensor
+    y: Tensor
+    mask: Tensor
+    batches: Tensor
+    batch_mask: Tensor
+    label_mask: Tensor
+    num_samples: Tensor
+
+
+class ClientOut(NamedTuple):
+    """What a client sends back.
+
+    Attributes:
+        upload: The pseudo-gradient (``w_global - w_local``) or gradient the server descends along.
+        weight: The client's aggregation weight (N_i, or alpha_i = N_i / N for PFLEGO).
+        metrics: Scalars for logging, such as the local training loss.
+    """
+
+    upload: Params
+    weight: Tensor
+    metrics: dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What the maths needs to know about the population in round ``round``.
+
+    Attributes:
+        round: Round index t (0-based).
+        num_clients: Population size I.
+        cohort_size: Expected cohort size r (I * p for Bernoulli participation).
+        total_samples: N, training samples over ALL clients (alpha_i = N_i / N).
+        client_lr: The client step size (beta) this round.
+        server_lr: The server step size (rho_t) this round.
+    """
+
+    round: int
+    num_clients: int
+    cohort_size: float
+    total_samples: int
+    client_lr: float
+    server_lr: float
+
+    @property
+    def inverse_inclusion(self) -> float:
+        """I / r, the inverse of every client's probability of being sampled."""
+        return self.num_clients / self.cohort_size
