@@ -96,10 +96,10 @@ def init_head(
         low = -high
     else:
         raise ConfigError(f"unknown head_init {kind!r}; choose one of {', '.join(HEAD_INITS)}")
-    draw = lambda shape: (
-        torch.rand(shape, generator=generator, dtype=torch.float64) * (high - low) + low
-    )  # noqa: E731
-    return {"head.weight": draw(shape_w).to(dtype), "head.bias": draw(shape_b).to(dtype)}
+    width = high - low
+    weight = torch.rand(shape_w, generator=generator, dtype=torch.float64) * width + low
+    bias = torch.rand(shape_b, generator=generator, dtype=torch.float64) * width + low
+    return {"head.weight": weight.to(dtype), "head.bias": bias.to(dtype)}
 
 
 # --- architectures ----------------------------------------------------------------------------
