@@ -251,6 +251,13 @@ def default_out(config: Config) -> Path:
     return Path("runs") / f"{config.algorithm}-{config.dataset}-{stamp}"
 
 
+def run_experiment(experiment: Experiment, out: str | Path, progress: bool = True) -> History:
+    """Run a built experiment into the directory ``out``."""
+    run_dir = RunDir(out)
+    run_dir.start(to_dict(experiment.config), experiment.data.summary())
+    return Simulation(experiment, run_dir).run(progress)
+
+
 def run(
     config: Config | dict[str, Any] | str | Path | None = None,
     out: str | Path | None = None,
@@ -269,20 +276,16 @@ def run(
         The run's :class:`History`.
     """
     cfg = load_config(config, **overrides)
-    experiment = build_experiment(cfg)
-    run_dir = RunDir(out or cfg.out or default_out(cfg))
-    run_dir.start(to_dict(cfg), experiment.data.summary())
-    return Simulation(experiment, run_dir).run(progress)
+    return run_experiment(build_experiment(cfg), out or cfg.out or default_out(cfg), progress)
 
 
 def resume(run_dir: str | Path, progress: bool = True) -> History:
     """Continue a stopped run from its last checkpoint; the result equals an uninterrupted run."""
-    directory = RunDir(run_dir) if Path(run_dir).is_dir() else None
-    if directory is None:
+    if not Path(run_dir).is_dir():
         raise ConfigError(f"run directory {run_dir} does not exist")
+    directory = RunDir(run_dir)
     cfg = load_config(read_yaml(directory.config))
     simulation = Simulation(build_experiment(cfg), directory)
-    state = directory.load_checkpoint()
-    simulation.load_state_dict(state)
+    simulation.load_state_dict(directory.load_checkpoint())
     directory.rewind(simulation.records, simulation.next_round)
     return simulation.run(progress)

@@ -1,0 +1,1 @@
+"""Experiment presets shipped with pflego."""
