@@ -145,6 +145,13 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is absent
+        return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="pflego",
@@ -179,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     list_p.set_defaults(handler=cmd_list)
 
     for module in ("pflego.bench", "pflego.flower.cli"):  # optional command groups
-        if importlib.util.find_spec(module) is not None:
+        if _installed(module):
             importlib.import_module(module).add_commands(sub)
     return parser
 
@@ -187,7 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pflego`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already reported in one line
+        return int(exc.code or 0)
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2

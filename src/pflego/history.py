@@ -117,7 +117,7 @@ class RunDir:
         """Drop log lines written after the checkpoint a resumed run starts from."""
         self.metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
         with self.clients.open(newline="") as f:
-            kept = [row for row in csv.DictReader(f) if int(row["round"]) < next_round]
+            kept = [row for row in csv.DictReader(f) if int(row["round"]) <= next_round]
         with self.clients.open("w", newline="") as f:
             writer = csv.DictWriter(f, CLIENT_COLUMNS)
             writer.writeheader()

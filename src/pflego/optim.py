@@ -56,7 +56,7 @@ class Momentum:
 
     def init(self, params: Params) -> OptState:
         state = {f"buf.{k}": torch.zeros_like(v) for k, v in params.items()}
-        state["step"] = torch.zeros(())
+        state["step"] = _step_counter(params)
         return state
 
     def update(self, params, grads, state, lr):
@@ -84,7 +84,7 @@ class Adam:
     def init(self, params: Params) -> OptState:
         state = {f"m.{k}": torch.zeros_like(v) for k, v in params.items()}
         state.update({f"v.{k}": torch.zeros_like(v) for k, v in params.items()})
-        state["step"] = torch.zeros(())
+        state["step"] = _step_counter(params)
         return state
 
     def update(self, params, grads, state, lr):
@@ -102,6 +102,12 @@ class Adam:
             denom = (v / correction2).sqrt() + self.eps
             new_params[k] = params[k] - lr * (m / correction1) / denom
         return new_params, new_state
+
+
+def _step_counter(params: Params) -> Tensor:
+    """A zero step count in the parameters' dtype (bias corrections stay exact in float64)."""
+    dtype = next(iter(params.values())).dtype if params else torch.get_default_dtype()
+    return torch.zeros((), dtype=dtype)
 
 
 OPTIMIZERS = {"sgd": SGD, "momentum": Momentum, "adam": Adam}

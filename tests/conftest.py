@@ -1,0 +1,53 @@
+"""Shared fixtures: a tiny registered dataset and float64 experiments built on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pflego.config import load_config
+from pflego.data import ArrayDataset, register
+from pflego.sim.runner import build_experiment
+
+
+@register(
+    "tiny", "mlp", False, "random 1x4x4 images in 4 classes with a learnable rule (tests only)"
+)
+def load_tiny(root: Path, seed: int = 0) -> ArrayDataset:
+    rng = np.random.default_rng(123)
+    x = rng.normal(size=(240, 1, 4, 4)).astype(np.float32)
+    y = (x.reshape(240, -1)[:, :4].argmax(1)).astype(np.int64)
+    return ArrayDataset("tiny", x, y, None, None, 4)
+
+
+TINY = {
+    "dataset": "tiny",
+    "clients": 6,
+    "classes_per_client": 2,
+    "participation": 0.5,
+    "rounds": 4,
+    "inner_steps": 3,
+    "client_lr": 0.1,
+    "eval_every": 2,
+    "average_last": 0,
+    "dtype": "float64",
+}
+
+
+@pytest.fixture
+def tiny_settings() -> dict:
+    return dict(TINY)
+
+
+def tiny_experiment(**overrides):
+    """A float64 experiment on the tiny dataset with an MLP of hidden width 200."""
+    return build_experiment(load_config({**TINY, **overrides}))
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_threads():
+    torch.set_num_threads(1)
+    yield

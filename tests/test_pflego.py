@@ -1,0 +1,214 @@
+"""PFLEGO's defining properties (Algorithm 1 and Proposition 1 of the paper) as tests."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_experiment
+from torch import nn
+
+from pflego import tree
+from pflego.errors import ConfigError
+from pflego.sim.runner import Simulation
+
+RHO = 0.3
+
+
+def prepared(**overrides) -> Simulation:
+    """A float64 PFLEGO simulation on clients of unequal sizes, every client already initialized."""
+    settings = dict(
+        algorithm="pflego", partition="dirichlet", alpha=0.5, server_lr=RHO, inner_steps=1
+    )
+    sim = Simulation(tiny_experiment(**{**settings, **overrides}), None)
+    ctx = sim.context(0)
+    down = sim.algorithm.downlink(sim.server, ctx)
+    for i in range(sim.exp.data.num_clients):
+        sim.store.put(i, sim.client_state(i, down, ctx))
+    return sim
+
+
+def snapshot(sim: Simulation) -> dict[str, torch.Tensor]:
+    """theta and every W_i as one flat dict."""
+    out = {k: v.clone() for k, v in sim.server["params"].items()}
+    out.update({f"client.{k}": v.clone() for k, v in sim.store.tensors.items()})
+    return out
+
+
+def exact_gradient(sim: Simulation) -> dict[str, torch.Tensor]:
+    """grad of L(psi) = sum_i alpha_i l_i over ALL clients, written independently with autograd."""
+    data, model = sim.exp.data, sim.algorithm.model
+    theta = {k: v.clone().requires_grad_(True) for k, v in sim.server["params"].items()}
+    heads = {k: v.clone().requires_grad_(True) for k, v in sim.store.tensors.items()}
+    loss = 0.0
+    for i in range(data.num_clients):
+        sl = data.train_slice(i)
+        x, y = data.inputs(data.x_train[sl]).double(), data.y_train_local[sl]
+        k_i = int((data.client_classes[i] >= 0).sum())
+        logits = (
+            model.features(theta, x) @ heads["head.weight"][i, :k_i].T + heads["head.bias"][i, :k_i]
+        )
+        loss = loss + (len(y) / data.total_train) * F.cross_entropy(logits, y)
+    names = list(theta) + list(heads)
+    grads = torch.autograd.grad(loss, [*theta.values(), *heads.values()])
+    return {(n if n in theta else f"client.{n}"): g for n, g in zip(names, grads, strict=True)}
+
+
+def stochastic_gradient(
+    sim: Simulation, start: dict, cohort=None, t: int = 0
+) -> dict[str, torch.Tensor]:
+    """(psi_before - psi_after) / rho for one round, from a fixed starting point."""
+    sim.server = copy.deepcopy(start["server"])
+    sim.store.tensors = {k: v.clone() for k, v in start["store"].items()}
+    before = snapshot(sim)
+    if cohort is not None:
+        sim.cohort = lambda _t: cohort
+    sim.run_round(t)
+    after = snapshot(sim)
+    return {k: (before[k] - after[k]) / RHO for k in before}
+
+
+def start_of(sim: Simulation) -> dict:
+    return {
+        "server": copy.deepcopy(sim.server),
+        "store": {k: v.clone() for k, v in sim.store.tensors.items()},
+    }
+
+
+def test_full_participation_tau_one_is_one_full_batch_gradient_step():
+    sim = prepared(participation=1.0)
+    assert len(set(sim.exp.data.train_sizes.tolist())) > 1  # unequal alpha_i make the test sharp
+    before, gradient = snapshot(sim), exact_gradient(sim)
+    expected = {k: v - RHO * gradient[k] for k, v in before.items()}
+    sim.run_round(0)
+    for k, v in snapshot(sim).items():
+        torch.testing.assert_close(v, expected[k], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("sampling", ["fixed", "bernoulli"])
+def test_expectation_over_all_cohorts_is_the_exact_gradient(sampling):
+    """Enumerating every cohort with its probability gives E[g] exactly (Proposition 1)."""
+    sim = prepared(participation=0.5, sampling=sampling)
+    start, exact = start_of(sim), exact_gradient(sim)
+    num, p = sim.exp.data.num_clients, 0.5
+    sizes = [3] if sampling == "fixed" else range(1, num + 1)  # the empty cohort contributes zero
+    mean = tree.zeros_like(exact)
+    for size in sizes:
+        cohorts = list(itertools.combinations(range(num), size))
+        for cohort in cohorts:
+            weight = 1 / len(cohorts) if sampling == "fixed" else p**size * (1 - p) ** (num - size)
+            mean = tree.axpy(weight, stochastic_gradient(sim, start, list(cohort)), mean)
+    for k in exact:
+        torch.testing.assert_close(mean[k], exact[k], rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("sampling", ["fixed", "bernoulli"])
+def test_monte_carlo_mean_over_the_real_sampler_matches_the_exact_gradient(sampling):
+    sim = prepared(participation=0.5, sampling=sampling)
+    start, exact = start_of(sim), exact_gradient(sim)
+    draws = 300
+    samples = [stochastic_gradient(sim, start, t=t) for t in range(draws)]
+    flat = torch.stack([torch.cat([s[k].flatten() for k in exact]) for s in samples])
+    target = torch.cat([exact[k].flatten() for k in exact])
+    error = (flat.mean(0) - target).norm()
+    standard_error = (
+        flat.var(0).sum() / draws
+    ).sqrt()  # E||mean - g||^2 = sum of variances / draws
+    assert error < 3 * standard_error
+    biased = (
+        flat.mean(0) * sim.context(0).cohort_size / sim.context(0).num_clients - target
+    ).norm()
+    assert biased > 3 * standard_error  # without the I/r factor the same check fails
+
+
+class _CountBackward(torch.autograd.Function):
+    """Identity whose backward counts how often gradients flow back through the body."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        _CountBackward.calls += 1
+        return grad
+
+
+class _CountedBody(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.inner = body
+        self.forward_calls = 0
+
+    def forward(self, x):
+        self.forward_calls += 1
+        return _CountBackward.apply(self.inner(x))
+
+
+@pytest.mark.parametrize("tau", [1, 5, 30])
+def test_body_runs_two_forwards_and_one_backward_per_client_whatever_tau(tau):
+    exp = tiny_experiment(algorithm="pflego", inner_steps=tau, participation=0.5)
+    body = exp.algorithm.model.body = _CountedBody(exp.algorithm.model.body)
+    sim = Simulation(exp, None)
+    _CountBackward.calls = 0
+    sim.run_round(0)
+    cohort = len(sim.cohort(0))
+    assert (body.forward_calls, _CountBackward.calls) == (2 * cohort, cohort)
+
+
+def test_eq3_head_step_is_the_exact_step_divided_by_alpha():
+    exact, eq3 = (
+        prepared(participation=1.0),
+        prepared(participation=1.0, options={"head_step": "eq3"}),
+    )
+    before = snapshot(exact)
+    exact.run_round(0)
+    eq3.run_round(0)
+    alpha = exact.exp.data.train_sizes.double() / exact.exp.data.total_train
+    for k in ("client.head.weight", "client.head.bias"):
+        step_exact, step_eq3 = before[k] - snapshot(exact)[k], before[k] - snapshot(eq3)[k]
+        shape = (-1,) + (1,) * (step_exact.dim() - 1)
+        torch.testing.assert_close(step_eq3 * alpha.view(shape), step_exact, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(snapshot(exact)["body.1.weight"], snapshot(eq3)["body.1.weight"])
+
+
+def test_inner_steps_descend_the_local_loss_on_cached_features():
+    sim = prepared(
+        participation=1.0, inner_steps=20, client_lr=0.5, server_lr=1e-12
+    )  # theta ~ fixed
+    data = sim.exp.data
+    ctx = sim.context(0)
+    down = sim.algorithm.downlink(sim.server, ctx)
+
+    def local_losses():
+        return torch.stack(
+            [
+                F.cross_entropy(
+                    sim.algorithm.predict(
+                        down,
+                        sim.store.get(i),
+                        data.inputs(data.x_train[data.train_slice(i)]).double(),
+                    ),
+                    data.y_train_local[data.train_slice(i)],
+                )
+                for i in range(data.num_clients)
+            ]
+        )
+
+    before = local_losses()
+    sim.run_round(0)
+    assert (local_losses() < before).all()
+
+
+def test_unknown_head_step_is_rejected():
+    with pytest.raises(ConfigError, match="head_step"):
+        tiny_experiment(algorithm="pflego", options={"head_step": "approx"})
