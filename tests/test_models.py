@@ -1,0 +1,48 @@
+"""The papers' architectures and the split-model plumbing."""
+
+import pytest
+import torch
+
+from pflego.errors import ConfigError
+from pflego.models import build_model, init_head
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "features"),
+    [
+        ("mlp", (1, 28, 28), 200),
+        ("cnn", (3, 32, 32), 192),
+        ("conv4", (1, 28, 28), 64),
+        ("linear", (60,), 60),
+    ],
+)
+def test_architectures_give_the_papers_feature_sizes(name, shape, features):
+    model = build_model(name, shape, num_classes=10, max_local_classes=2)
+    params = model.init_body(seed=0)
+    assert model.feature_dim == features
+    assert model.features(params, torch.zeros(5, *shape)).shape == (5, features)
+    head = init_head(2, features, torch.Generator().manual_seed(0))
+    assert model.forward({**params, **head}, torch.zeros(5, *shape)).shape == (5, 2)
+
+
+def test_body_initialization_is_seeded_and_has_no_batch_norm():
+    model = build_model("conv4", (1, 28, 28), 10, 2)
+    a, b, c = model.init_body(0), model.init_body(0), model.init_body(1)
+    assert all(torch.equal(a[k], b[k]) for k in a) and not all(torch.equal(a[k], c[k]) for k in a)
+    assert not any("BatchNorm" in type(m).__name__ for m in model.body.modules())
+
+
+@pytest.mark.parametrize(
+    ("kind", "low", "high"), [("uniform", 0.0, 1.0), ("linear", -0.1, 0.1), ("zeros", 0.0, 0.0)]
+)
+def test_head_initializations(kind, low, high):
+    head = init_head(3, 100, torch.Generator().manual_seed(0), kind)
+    assert head["head.weight"].shape == (3, 100) and head["head.bias"].shape == (3,)
+    assert head["head.weight"].min() >= low and head["head.weight"].max() <= high
+
+
+def test_a_model_that_does_not_fit_the_inputs_is_a_config_error():
+    with pytest.raises(ConfigError, match="does not fit"):
+        build_model("cnn", (1, 4, 4), 10, 2)
+    with pytest.raises(ConfigError, match="unknown model"):
+        build_model("resnet", (1, 28, 28), 10, 2)
