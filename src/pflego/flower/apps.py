@@ -91,6 +91,8 @@ def load_state(context: Context, node: ClientNode, downlink, ctx) -> tuple[Clien
 
 def check_client(message: Message, node: ClientNode) -> None:
     """Refuse a message meant for another client (a node started with the wrong partition-id)."""
+    if "pflego" not in message.content:
+        return
     wanted = int(message.content["pflego"]["client"])
     if wanted != node.client:
         raise ConfigError(f"message for client {wanted} reached the node of client {node.client}")
@@ -134,7 +136,7 @@ def evaluate(message: Message, context: Context) -> Message:
     row = node.evaluate(downlink, state)
     content = RecordDict(
         {
-            "pflego": ConfigRecord({"row": json.dumps(row)}),
+            "pflego": ConfigRecord({"client": node.client, "row": json.dumps(row)}),
             "metrics": MetricRecord(
                 {k: float(v) for k, v in row.items() if k in ("test_acc", "test_loss")}
             ),

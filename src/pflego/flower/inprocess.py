@@ -16,6 +16,7 @@ from pathlib import Path
 
 from flwr.app import Context, Error, Message, Metadata, RecordDict
 from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
 
 from pflego.config import Config
 from pflego.flower.records import encode_config
@@ -56,6 +57,8 @@ class InProcessGrid(Grid):
             )
             for i, node in enumerate(ids)
         }
+        # What the ServerApp process sets up in a deployment: lets ``Message(...)`` be built.
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, 0, 1
         self.drop = drop or (lambda node, message: None)
         self.ids = itertools.count(1)
         self.sent: list[Message] = []

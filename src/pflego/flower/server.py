@@ -102,44 +102,49 @@ class FlowerServer:
 
     # --- nodes ------------------------------------------------------------------------------
 
-    def discover(self, timeout: float) -> None:
-        """Ask nodes not seen before which client they hold; forget nodes that left."""
+    def message(self, content: RecordDict, message_type: str, node: int, group: str) -> Message:
+        return Message(content, dst_node_id=node, message_type=message_type, group_id=group)
+
+    def learn(self, client: int, node: int) -> None:
+        """Remember that ``node`` holds ``client`` (a restarted node comes back with a new id)."""
+        if self.nodes.get(client, node) != node:
+            log.warning("client %d moved from node %s to node %s", client, self.nodes[client], node)
+        self.nodes[client] = node
+
+    def refresh(self) -> list[int]:
+        """Forget nodes that went offline; returns the online nodes whose client is unknown."""
         online = set(self.grid.get_node_ids())
         self.nodes = {c: n for c, n in self.nodes.items() if n in online}
-        new = sorted(online - set(self.nodes.values()))
+        return sorted(online - set(self.nodes.values()))
+
+    def discover(self) -> None:
+        """Ask online nodes not seen before which client they hold."""
+        new = self.refresh()
         if not new:
             return
-        messages = [
-            self.grid.create_message(RecordDict(), "query", node, "discover") for node in new
-        ]
-        for reply in self.grid.send_and_receive(messages, timeout=timeout):
+        messages = [self.message(RecordDict(), "query", node, "discover") for node in new]
+        for reply in self.grid.send_and_receive(messages, timeout=self.round_timeout):
             if reply.has_error():
                 log.warning(
                     "node %s did not say its client: %s",
                     reply.metadata.src_node_id,
                     error_text(reply),
                 )
-                continue
-            client = int(reply.content["pflego"]["client"])
-            node = reply.metadata.src_node_id
-            if client in self.nodes and self.nodes[client] != node:
-                log.warning(
-                    "client %d moved from node %s to node %s", client, self.nodes[client], node
-                )
-            self.nodes[client] = node
+            else:
+                self.learn(int(reply.content["pflego"]["client"]), reply.metadata.src_node_id)
 
     def wait_for_nodes(self) -> None:
-        """Wait until a node holds every client, or ``join_timeout`` passes (then go on)."""
+        """Wait until as many nodes as clients are online, or ``join_timeout`` passes (go on)."""
         deadline = time.monotonic() + self.join_timeout
-        while True:
-            self.discover(timeout=min(self.round_timeout, max(deadline - time.monotonic(), 1)))
-            if len(self.nodes) >= self.cfg.clients or time.monotonic() > deadline:
+        while len(list(self.grid.get_node_ids())) < self.cfg.clients:
+            if time.monotonic() > deadline:
+                log.warning(
+                    "starting with %d of %d nodes online",
+                    len(list(self.grid.get_node_ids())),
+                    self.cfg.clients,
+                )
                 break
             time.sleep(1.0)
-        absent = sorted(set(range(self.cfg.clients)) - set(self.nodes))
-        if absent:
-            log.warning("starting without nodes for clients %s", absent)
-        log.info("clients on nodes: %s", dict(sorted(self.nodes.items())))
 
     # --- messages ---------------------------------------------------------------------------
 
@@ -168,7 +173,7 @@ class FlowerServer:
         """Send each client's content to its node; returns the replies and why others are missing."""
         missing = {c: "no node holds this client" for c in contents if c not in self.nodes}
         messages = [
-            self.grid.create_message(content, message_type, self.nodes[c], group)
+            self.message(content, message_type, self.nodes[c], group)
             for c, content in contents.items()
             if c in self.nodes
         ]
@@ -207,7 +212,8 @@ class FlowerServer:
         event: dict[str, Any] = {"round": t, "phase": "train", "sampled": cohort}
         if not cohort:  # Bernoulli sampling drew nobody: the stochastic gradient is zero
             return {**event, "answered": [], "missing": {}}
-        self.discover(timeout=self.round_timeout)
+        if any(c not in self.nodes for c in cohort):
+            self.discover()
         replies, missing = self.exchange(self.downlinks(cohort, ctx), "train", f"train-{t}")
         self.note_missing(t, "train", missing)
         answered = sorted(replies)
@@ -224,21 +230,36 @@ class FlowerServer:
         return event
 
     def evaluate(self, completed: int) -> dict[str, Any] | None:
-        """Every node evaluates its client's personalized model; the server summarizes."""
+        """Every online node evaluates its client's personalized model; the server summarizes.
+
+        Replies also tell which client each node holds, so the first evaluation (round 0)
+        maps clients to nodes without a message round of its own.
+        """
         ctx = self.population.context(completed)
-        self.discover(timeout=self.round_timeout)
-        shared = params_to_record(self.algorithm.downlink(self.server, ctx))
-        contents = {
-            c: RecordDict(
-                {
-                    "downlink": shared,
-                    "ctx": context_to_record(ctx),
-                    "pflego": ConfigRecord({"client": c}),
-                }
-            )
-            for c in range(self.cfg.clients)
-        }
-        replies, missing = self.exchange(contents, "evaluate", f"evaluate-{completed}")
+        self.refresh()
+        content = RecordDict(
+            {
+                "downlink": params_to_record(self.algorithm.downlink(self.server, ctx)),
+                "ctx": context_to_record(ctx),
+            }
+        )
+        group = f"evaluate-{completed}"
+        online = sorted(self.grid.get_node_ids())
+        messages = [self.message(content, "evaluate", node, group) for node in online]
+        replies: dict[int, Message] = {}
+        for reply in self.grid.send_and_receive(messages, timeout=self.round_timeout):
+            if reply.has_error():
+                log.warning(
+                    "evaluation after round %d: node %s failed: %s",
+                    completed,
+                    reply.metadata.src_node_id,
+                    error_text(reply),
+                )
+                continue
+            client = int(reply.content["pflego"]["client"])
+            self.learn(client, reply.metadata.src_node_id)
+            replies[client] = reply
+        missing = {c: "no evaluation reply" for c in range(self.cfg.clients) if c not in replies}
         self.note_missing(completed, "evaluate", missing)
         self.log_event(
             {
