@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("flwr")
+pytest.importorskip("flwr", exc_type=ImportError)
 
 from flwr.app import RecordDict  # noqa: E402
 

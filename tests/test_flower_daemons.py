@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("flwr", reason="Flower is not installed (pip install 'pflego[flower]')")
+pytest.importorskip(
+    "flwr", reason="Flower is not installed (pip install 'pflego[flower]')", exc_type=ImportError
+)
 
 from pflego.config import load_config  # noqa: E402
 from pflego.flower.deploy import netns_available  # noqa: E402
@@ -32,11 +34,18 @@ pytestmark = [
     pytest.mark.skipif(
         shutil.which("flower-superlink") is None, reason="the Flower daemons are not on PATH"
     ),
-    pytest.mark.skipif(
-        not netns_available(),
-        reason="no private network namespace (`unshare -n` needs root or user namespaces)",
-    ),
+    pytest.mark.usefixtures("private_network"),
 ]
+
+
+@pytest.fixture(scope="module")
+def private_network() -> None:
+    """Skip (with the reason) where no private network namespace can be made."""
+    if not netns_available():
+        pytest.skip(
+            "no private network namespace here (`unshare -n` needs root or user namespaces)"
+        )
+
 
 SCENARIO = Path(__file__).with_name("flower_scenario.py")
 LIMIT = 540  # seconds a scenario may take before it is stopped
@@ -118,7 +127,7 @@ def assert_matches_simulator(result: dict, name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def secure_result(tmp_path_factory):
+def secure_result(private_network, tmp_path_factory):
     return run_scenario("secure", tmp_path_factory.mktemp("secure"))
 
 

@@ -20,7 +20,6 @@ import signal
 import socket
 import ssl
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
@@ -416,8 +415,3 @@ class LocalDeployment:
                 raise DeploymentError(f"the SuperLink exited:\n{self.daemons[0].tail()}")
             time.sleep(poll)
         return status
-
-
-def launcher_python() -> str:
-    """The interpreter that runs this code (for re-running a command in a namespace)."""
-    return sys.executable
