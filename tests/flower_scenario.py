@@ -88,7 +88,17 @@ def secure(workdir: Path, result: dict) -> None:
             code = intruder.process.wait(timeout=60)
         except Exception:  # noqa: BLE001
             code = None
-        result["intruder"] = {"exit_code": code, "log": intruder.tail(15)}
+        time.sleep(1)  # let the log file catch up with the exit
+        superlink = deployment.daemons[0].log.read_text(errors="replace")
+        result["intruder"] = {
+            "exit_code": code,
+            "log": [
+                x
+                for x in intruder.log.read_text(errors="replace").splitlines()
+                if "retrying" not in x
+            ],
+            "superlink_refusals": superlink.count("No SuperNode found with the given public key"),
+        }
 
 
 def kill(workdir: Path, result: dict) -> None:

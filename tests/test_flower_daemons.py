@@ -145,6 +145,8 @@ def test_the_same_with_tls_and_supernode_authentication(secure_result):
 def test_an_unregistered_supernode_is_refused(secure_result):
     intruder = secure_result["intruder"]
     assert intruder["exit_code"] not in (0, None), intruder["log"]
+    assert any("Exit Code: 305" in line for line in intruder["log"]), intruder["log"]
+    assert intruder["superlink_refusals"] >= 1
     # It never took part: every evaluation was answered by exactly the three registered nodes.
     for name in ("pflego", "fedavg"):
         for event in secure_result[name]["events"]:
@@ -162,3 +164,71 @@ def test_a_node_killed_mid_run_does_not_stop_the_run(tmp_path):
     assert all("2" in e["missing"] and e["answered"] == [0, 1] for e in train[1:]), train
     evaluations = [e for e in run["events"] if e["phase"] == "evaluate"]
     assert "2" in evaluations[-1]["missing"]
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pflego.flower.cli", "flower", "local", *args]
+
+
+SMALL_RUN = [
+    "--nodes", "3", "--classes-per-client", "4", "--participation", "0.67", "--rounds", "1",
+    "--inner-steps", "2", "--eval-every", "1", "--set", "average_last=0", "--seed", "5",
+]  # fmt: skip
+
+
+def cli_env() -> dict[str, str]:
+    import pflego
+
+    return {**os.environ, "PYTHONPATH": str(Path(pflego.__file__).parents[1])}
+
+
+def assert_nothing_left(workdir: Path) -> None:
+    deadline = time.monotonic() + 15
+    while processes_mentioning(str(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = processes_mentioning(str(workdir))
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}"
+
+
+def test_pflego_flower_local_writes_the_run_directory_and_stops_everything(tmp_path):
+    out, work = tmp_path / "run", tmp_path / "work"
+    command = cli(*SMALL_RUN, "--out", str(out), "--workdir", str(work), "--round-timeout", "60")
+    try:
+        done = subprocess.run(
+            command, env=cli_env(), capture_output=True, text=True, timeout=LIMIT,
+            start_new_session=True,
+        )  # fmt: skip
+    finally:
+        assert_nothing_left(work)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "test accuracy" in done.stdout
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0, 1]
+    assert (out / "clients.csv").is_file() and (out / "config.yaml").is_file()
+
+
+def test_ctrl_c_on_pflego_flower_local_stops_every_process(tmp_path):
+    out, work = tmp_path / "run", tmp_path / "work"
+    command = cli(*SMALL_RUN, "--out", str(out), "--workdir", str(work))
+    process = subprocess.Popen(
+        command, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        deadline = time.monotonic() + 240
+        for line in process.stdout:
+            lines.append(line)
+            if " started; run directory" in line or time.monotonic() > deadline:
+                break
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground group
+        code = process.wait(timeout=90)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        assert_nothing_left(work)
+    assert any(" started; run directory" in line for line in lines), "".join(lines)
+    assert code == 130, "".join(lines) + process.stdout.read()

@@ -188,12 +188,15 @@ def _rerun_in_netns(args: argparse.Namespace, config: dict[str, Any], out: Path,
         with _sigterm_interrupts():
             return child.wait()
     except KeyboardInterrupt:
-        child.send_signal(signal.SIGTERM)  # the child stops its daemons
+        # Ctrl-C reached the child too (same process group); SIGTERM covers a SIGTERM to us.
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signal.SIGTERM)
         try:
-            return child.wait(timeout=30)
+            child.wait(timeout=60)
         except subprocess.TimeoutExpired:
             child.kill()
-            raise
+            child.wait()
+        raise
 
 
 def run_local(config, out: Path, args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ import ssl
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -101,6 +101,20 @@ def _die_with_parent() -> None:
     """In the child before exec: get SIGKILL when the launching process dies (Linux)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """Ignore SIGINT and SIGTERM inside the block (main thread only; elsewhere a no-op)."""
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):
+            previous[sig] = signal.signal(sig, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @dataclass
@@ -326,7 +340,14 @@ class LocalDeployment:
         daemon.process.wait(timeout=10)
 
     def stop(self) -> None:
-        """End every process group this deployment started: SIGTERM, wait, then SIGKILL."""
+        """End every process group this deployment started: SIGTERM, wait, then SIGKILL.
+
+        A second Ctrl-C or SIGTERM during the shutdown is ignored, so it always completes.
+        """
+        with _signals_ignored():
+            self._stop()
+
+    def _stop(self) -> None:
         for daemon in self.daemons:
             if daemon.alive:
                 with contextlib.suppress(ProcessLookupError):
