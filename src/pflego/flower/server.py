@@ -212,6 +212,7 @@ class FlowerServer:
         event: dict[str, Any] = {"round": t, "phase": "train", "sampled": cohort}
         if not cohort:  # Bernoulli sampling drew nobody: the stochastic gradient is zero
             return {**event, "answered": [], "missing": {}}
+        self.refresh()
         if any(c not in self.nodes for c in cohort):
             self.discover()
         replies, missing = self.exchange(self.downlinks(cohort, ctx), "train", f"train-{t}")
