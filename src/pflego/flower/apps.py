@@ -79,14 +79,12 @@ def state_files(context: Context) -> StateFiles:
     return StateFiles(directory)
 
 
-def load_state(context: Context, node: ClientNode, downlink, ctx) -> tuple[ClientState, bool]:
+def load_state(context: Context, node: ClientNode, downlink, ctx) -> ClientState:
     """The client's state: from ``context.state``, else from disk, else its first-visit state."""
     if STATE_KEY in context.state:
-        return params_from_record(context.state[STATE_KEY]), True
+        return params_from_record(context.state[STATE_KEY])
     saved = state_files(context).load(context.run_id, node.client)
-    if saved is not None:
-        return saved, True
-    return node.first_visit_state(downlink, ctx), False
+    return saved if saved is not None else node.first_visit_state(downlink, ctx)
 
 
 def check_client(message: Message, node: ClientNode) -> None:
@@ -112,7 +110,7 @@ def train(message: Message, context: Context) -> Message:
     check_client(message, node)
     downlink = params_from_record(message.content["downlink"])
     ctx = context_from_record(message.content["ctx"])
-    state, _ = load_state(context, node, downlink, ctx)
+    state = load_state(context, node, downlink, ctx)
     out, new_state = node.train(downlink, state, ctx)
     state_files(context).save(context.run_id, node.client, new_state)
     context.state[STATE_KEY] = params_to_record(new_state)
@@ -132,7 +130,7 @@ def evaluate(message: Message, context: Context) -> Message:
     check_client(message, node)
     downlink = params_from_record(message.content["downlink"])
     ctx = context_from_record(message.content["ctx"])
-    state, _ = load_state(context, node, downlink, ctx)
+    state = load_state(context, node, downlink, ctx)
     row = node.evaluate(downlink, state)
     content = RecordDict(
         {

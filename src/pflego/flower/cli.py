@@ -18,6 +18,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -197,6 +198,8 @@ def _rerun_in_netns(args: argparse.Namespace, config: dict[str, Any], out: Path,
             child.kill()
             child.wait()
         raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def run_local(config, out: Path, args: argparse.Namespace) -> int:
@@ -230,11 +233,10 @@ def run_local(config, out: Path, args: argparse.Namespace) -> int:
         status = _follow(deployment, run_id, out, args.timeout, say)
         if status != "finished:completed":
             raise DeploymentError(
-                f"run {run_id} ended as {status!r}; its log:\n{deployment.run_log(run_id)[-4000:]}"
+                f"run {run_id} ended as {status!r} (Flower's logs are kept in {workdir}); "
+                f"its log:\n{deployment.run_log(run_id)[-4000:]}"
             )
     if not keep:
-        import shutil
-
         shutil.rmtree(workdir, ignore_errors=True)
     final = History.load(out).final(1)
     print(
