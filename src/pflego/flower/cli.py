@@ -1,0 +1,299 @@
+"""The ``pflego flower`` commands: ``local`` (a whole deployment on 127.0.0.1) and ``certs``.
+
+``pflego flower local --nodes N [run flags]`` starts a SuperLink and N SuperNodes (node k holds
+client k), runs the experiment configured exactly as ``pflego run`` would be, writes the same run
+directory (plus ``flower.jsonl``, which lists each round's sampled, answered and missing
+clients), and stops every process it started, also on failure, Ctrl-C or SIGTERM. Where the
+machine allows (root or user namespaces), the whole deployment runs inside a private network
+namespace that has only a loopback interface.
+
+This module imports neither flwr nor torch at import time, so ``pflego --help`` works without
+the ``flower`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from pflego.errors import ConfigError, PflegoError
+
+
+def _require_flower() -> None:
+    if importlib.util.find_spec("flwr") is None:
+        raise PflegoError(
+            "Flower is not installed; install the extra: pip install 'pflego[flower]'"
+        )
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    from pflego.cli import RUN_FLAGS
+
+    for flag, key, help_text in RUN_FLAGS:
+        parser.add_argument(flag, dest=key, default=None, help=help_text)
+    parser.add_argument("--config", type=Path, help="YAML file of settings (flags override it)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any setting, e.g. --set options.head_step=eq3",
+    )
+    parser.add_argument("--out", type=Path, help="run directory")
+
+
+def add_commands(subparsers: Any) -> None:
+    """Add the ``flower`` command group (``local``, ``certs``) to an argparse subparsers object."""
+    flower = subparsers.add_parser("flower", help="run on Flower (needs pflego[flower])")
+    commands = flower.add_subparsers(dest="flower_command", metavar="COMMAND")
+
+    local = commands.add_parser(
+        "local", help="run an experiment on a SuperLink and N SuperNodes on 127.0.0.1"
+    )
+    local.add_argument("--nodes", type=int, help="number of SuperNodes (default: --clients)")
+    _add_run_flags(local)
+    local.add_argument("--tls", action="store_true", help="TLS between nodes and SuperLink")
+    local.add_argument(
+        "--auth", action="store_true", help="SuperNode authentication (implies --tls)"
+    )
+    local.add_argument(
+        "--certs", type=Path, help="folder from `pflego flower certs` (default: fresh ones)"
+    )
+    local.add_argument(
+        "--round-timeout", type=float, default=120.0, help="seconds to wait for a round's replies"
+    )
+    local.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds the whole run may take"
+    )
+    local.add_argument("--workdir", type=Path, help="keep Flower's home, logs and node state here")
+    local.add_argument(
+        "--no-netns",
+        dest="netns",
+        action="store_false",
+        help="do not run inside a private network namespace",
+    )
+    local.set_defaults(handler=cmd_local)
+
+    certs = commands.add_parser(
+        "certs", help="generate a CA, a server certificate and SuperNode keys for local use"
+    )
+    certs.add_argument("--dir", type=Path, required=True, help="folder to write them to")
+    certs.add_argument("--nodes", type=int, default=2, help="number of SuperNode key pairs")
+    certs.add_argument("--days", type=int, default=30, help="validity of the certificates")
+    certs.set_defaults(handler=cmd_certs)
+
+    flower.set_defaults(handler=lambda args: (flower.print_help(), 2)[1])
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    """Write ``ca.crt``, ``server.pem``, ``server.key`` and ``node<k>`` / ``node<k>.pub``."""
+    from pflego.flower.certs import generate
+
+    if args.nodes < 1:
+        raise ConfigError(f"--nodes={args.nodes} must be at least 1")
+    creds = generate(args.dir, args.nodes, args.days)
+    print(
+        f"wrote {creds.ca_cert}, {creds.server_cert}, {creds.server_key} and "
+        f"{args.nodes} node key pairs in {creds.directory}"
+    )
+    return 0
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt so that cleanup runs (main thread only)."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _resolve(args: argparse.Namespace):
+    from pflego.cli import settings_from_args
+    from pflego.config import load_config
+
+    settings = settings_from_args(args)
+    if args.nodes is not None:
+        if args.nodes < 1:
+            raise ConfigError(f"--nodes={args.nodes} must be at least 1")
+        if "clients" in settings and int(settings["clients"]) != args.nodes:
+            raise ConfigError(
+                f"--nodes={args.nodes} but --clients={settings['clients']}: each SuperNode "
+                "holds one client, so give one of them or equal values"
+            )
+        settings["clients"] = args.nodes
+    return load_config(args.config, **settings)
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    """Run the experiment on a local deployment and write its run directory."""
+    _require_flower()
+    from pflego.config import to_dict
+    from pflego.flower.deploy import NETNS_MARK, netns_available, netns_command
+    from pflego.sim.runner import build_experiment, default_out
+
+    config = _resolve(args)
+    build_experiment(config)  # fail on a bad config or missing data before any daemon starts
+    out = Path(args.out or config.out or default_out(config)).resolve()
+    if args.netns and os.environ.get(NETNS_MARK) != "1":
+        if netns_available():
+            return _rerun_in_netns(args, to_dict(config), out, netns_command)
+        print("pflego: no private network namespace here; the daemons listen on 127.0.0.1 only")
+    return run_local(config, out, args)
+
+
+def _rerun_in_netns(args: argparse.Namespace, config: dict[str, Any], out: Path, wrap) -> int:
+    """Run this command again inside a new network namespace (only loopback) and wait for it."""
+    import yaml
+
+    from pflego.flower.deploy import NETNS_MARK
+
+    scratch = Path(tempfile.mkdtemp(prefix="pflego-flower-"))
+    config_file = scratch / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+    command = [sys.executable, "-m", "pflego.flower.cli", "flower", "local"]
+    command += ["--config", str(config_file), "--out", str(out)]
+    command += ["--round-timeout", str(args.round_timeout), "--timeout", str(args.timeout)]
+    command += ["--tls"] * args.tls + ["--auth"] * args.auth
+    if args.certs:
+        command += ["--certs", str(Path(args.certs).resolve())]
+    if args.workdir:
+        command += ["--workdir", str(Path(args.workdir).resolve())]
+    env = {**os.environ, NETNS_MARK: "1"}
+    source = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH", "")) if p)
+    child = subprocess.Popen(wrap(command), env=env)
+    try:
+        with _sigterm_interrupts():
+            return child.wait()
+    except KeyboardInterrupt:
+        # Ctrl-C reached the child too (same process group); SIGTERM covers a SIGTERM to us.
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run_local(config, out: Path, args: argparse.Namespace) -> int:
+    """Start the deployment in this process's network namespace, run, stop everything."""
+    from pflego.flower.certs import Credentials, generate
+    from pflego.flower.deploy import DeploymentError, LocalDeployment
+    from pflego.flower.records import encode_config
+    from pflego.history import History
+
+    keep = args.workdir is not None
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pflego-flower-")).resolve()
+    secure = args.tls or args.auth or args.certs is not None
+    credentials = None
+    if secure:
+        credentials = (
+            Credentials(Path(args.certs))
+            if args.certs
+            else generate(workdir / "certs", config.clients)
+        )
+    say = lambda line: print(f"pflego: {line}", flush=True)  # noqa: E731
+    run_config = {
+        "pflego-config": encode_config(config),
+        "out": str(out),
+        "round-timeout": float(args.round_timeout),
+        "join-timeout": 120.0,
+    }
+    with _sigterm_interrupts(), LocalDeployment(workdir, credentials, args.auth, say) as deployment:
+        deployment.start_nodes(config.clients)
+        run_id = deployment.submit(run_config)
+        say(f"run {run_id} started; run directory {out}")
+        status = _follow(deployment, run_id, out, args.timeout, say)
+        if status != "finished:completed":
+            raise DeploymentError(
+                f"run {run_id} ended as {status!r} (Flower's logs are kept in {workdir}); "
+                f"its log:\n{deployment.run_log(run_id)[-4000:]}"
+            )
+    if not keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    final = History.load(out).final(1)
+    print(
+        f"test accuracy {100 * final['test_acc']:.2f}%  training loss {final['train_loss']:.4f}  "
+        f"run directory {out}"
+    )
+    return 0
+
+
+def _follow(deployment, run_id: int, out: Path, timeout: float, say) -> str:
+    """Wait for the run, echoing each new evaluation and each missing node as it is logged."""
+    deadline = time.monotonic() + timeout
+    seen = {"metrics.jsonl": 0, "flower.jsonl": 0}
+    status = "unknown"
+    while time.monotonic() < deadline:
+        status = deployment.status(run_id)
+        for name in seen:
+            path = out / name
+            lines = path.read_text().splitlines() if path.is_file() else []
+            for line in lines[seen[name] :]:
+                _echo(name, json.loads(line), say)
+            seen[name] = max(seen[name], len(lines))
+        if status.startswith("finished"):
+            return status
+        time.sleep(2.0)
+    return f"still {status} after {timeout:g} s"
+
+
+def _echo(name: str, record: dict[str, Any], say) -> None:
+    if name == "metrics.jsonl":
+        say(
+            f"round {record['round']}: training loss {record['train_loss']:.4f}, "
+            f"test accuracy {100 * record['test_acc']:.2f}%"
+        )
+    elif record.get("missing"):
+        say(f"round {record['round']} {record['phase']}: missing clients {record['missing']}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pflego.flower.cli flower ...`` (what ``pflego flower`` runs)."""
+    from pflego.cli import Parser
+
+    parser = Parser(prog="pflego")
+    add_commands(parser.add_subparsers(dest="command", parser_class=Parser, metavar="COMMAND"))
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.handler(args)
+    except PflegoError as exc:
+        print(f"pflego: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pflego: interrupted; every Flower process was stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

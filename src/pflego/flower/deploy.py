@@ -1,0 +1,438 @@
+"""A Flower deployment on this machine: one SuperLink and N SuperNodes on 127.0.0.1.
+
+Every Flower process gets ``FLWR_HOME`` (a private directory), ``FLWR_TELEMETRY_ENABLED=0``,
+``FLWR_DISABLE_UPDATE_CHECK=1`` and ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``, listens on
+127.0.0.1 only, and runs in its own process group; :meth:`LocalDeployment.stop` ends those groups
+(SIGTERM, then SIGKILL) and nothing else. Each daemon also dies with the process that started it
+(``PR_SET_PDEATHSIG``), so even a killed launcher leaves nothing behind.
+
+To keep all traffic off the network, run the launcher inside a private network namespace (see
+:func:`netns_command`): the daemons inherit it and only a loopback interface exists there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import IO, Any
+
+import tomli_w
+
+from pflego.errors import PflegoError
+from pflego.flower.certs import Credentials
+
+CONNECTION = "local-deployment"
+NETNS_MARK = "PFLEGO_IN_NETNS"
+
+
+class DeploymentError(PflegoError):
+    """A daemon did not start, a run failed, or Flower is missing."""
+
+
+def app_dir() -> Path:
+    """The Flower app folder shipped with pflego (a ``pyproject.toml`` only)."""
+    return Path(str(resources.files("pflego.flower") / "app"))
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (bound to port 0 and released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flower_env(home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of every Flower process: a private home, no telemetry, no updates.
+
+    ``PYTHONPATH`` starts with the folder this ``pflego`` was imported from, so the ServerApp
+    and ClientApp processes that Flower starts run this same code.
+    """
+    env = dict(os.environ if base is None else base)
+    source = str(Path(__file__).resolve().parents[2])
+    env.update(
+        FLWR_HOME=str(home),
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+        PYTHONPATH=os.pathsep.join(p for p in (source, env.get("PYTHONPATH", "")) if p),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def netns_available() -> bool:
+    """Whether this process may create a private network namespace (``unshare -n``)."""
+    try:
+        done = subprocess.run(
+            ["unshare", "-n", "sh", "-c", "ip link set lo up"],
+            capture_output=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def netns_command(command: Sequence[str]) -> list[str]:
+    """``command`` wrapped to run in a new network namespace with only loopback up."""
+    quoted = " ".join(_sh_quote(c) for c in command)
+    return ["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {quoted}"]
+
+
+def _sh_quote(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the launching process dies (Linux)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """Ignore SIGINT and SIGTERM inside the block (main thread only; elsewhere a no-op)."""
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):
+            previous[sig] = signal.signal(sig, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class Daemon:
+    """A process this deployment started, with its log file."""
+
+    name: str
+    process: subprocess.Popen
+    log: Path
+    _handle: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def tail(self, lines: int = 20) -> str:
+        if not self.log.is_file():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+class LocalDeployment:
+    """A SuperLink and SuperNodes on 127.0.0.1, with optional TLS and node authentication.
+
+    Use as a context manager: everything started is stopped on exit, also on errors and Ctrl-C.
+
+    Args:
+        workdir: Holds ``FLWR_HOME``, the logs, node state and the run-config file.
+        credentials: TLS files and node keys (see :mod:`pflego.flower.certs`), or ``None`` for an
+            insecure deployment.
+        authenticate: Require registered SuperNode keys (needs ``credentials``).
+        say: Where progress lines go.
+        start_timeout: Seconds a daemon may take to come up.
+    """
+
+    def __init__(
+        self,
+        workdir: str | Path,
+        credentials: Credentials | None = None,
+        authenticate: bool = False,
+        say: Callable[[str], None] = lambda line: None,
+        start_timeout: float = 30.0,
+    ) -> None:
+        if authenticate and credentials is None:
+            raise DeploymentError("SuperNode authentication needs TLS credentials")
+        self.workdir = Path(workdir).resolve()
+        self.home = self.workdir / "flwr-home"
+        self.logs = self.workdir / "logs"
+        self.credentials = credentials
+        self.authenticate = authenticate
+        self.say = say
+        self.start_timeout = start_timeout
+        self.port = 0
+        self.daemons: list[Daemon] = []
+        self.nodes: dict[int, Daemon] = {}
+        self.env: dict[str, str] = {}
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def __enter__(self) -> LocalDeployment:
+        try:
+            self.start_superlink()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, command: Sequence[str]) -> Daemon:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        log = self.logs / f"{name}.log"
+        handle = log.open("ab")
+        process = subprocess.Popen(
+            list(command),
+            env=self.env,
+            cwd=self.workdir,
+            stdin=subprocess.DEVNULL,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509  (only prctl; no locks taken)
+        )
+        daemon = Daemon(name, process, log, handle)
+        self.daemons.append(daemon)
+        return daemon
+
+    def start_superlink(self) -> None:
+        """Start the SuperLink on a free loopback port and wait for its health check."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.env = flower_env(self.home)
+        self.port = free_port()
+        command = ["flower-superlink", "--host", "127.0.0.1", "--port", str(self.port)]
+        command += [
+            "--fleet-api-address",
+            f"127.0.0.1:{free_port()}",
+            "--control-api-address",
+            f"127.0.0.1:{free_port()}",
+            "--database",
+            str(self.workdir / "superlink.db"),
+            "--disable-runtime-dependency-installation",
+        ]
+        if self.credentials is None:
+            command.append("--insecure")
+        else:
+            c = self.credentials
+            command += [
+                "--ssl-ca-certfile",
+                str(c.ca_cert),
+                "--ssl-certfile",
+                str(c.server_cert),
+                "--ssl-keyfile",
+                str(c.server_key),
+            ]
+            if self.authenticate:
+                command.append("--enable-supernode-auth")
+        superlink = self._spawn("superlink", command)
+        self.write_cli_config()
+        self.wait_healthy(superlink)
+        self.say(f"SuperLink up on 127.0.0.1:{self.port} (log {superlink.log})")
+
+    def write_cli_config(self) -> None:
+        """``$FLWR_HOME/config.toml`` naming this SuperLink ``local-deployment``."""
+        connection: dict[str, Any] = {"address": f"127.0.0.1:{self.port}"}
+        if self.credentials is None:
+            connection["insecure"] = True
+        else:
+            connection["root-certificates"] = str(self.credentials.ca_cert)
+        text = tomli_w.dumps({"superlink": {CONNECTION: connection}})
+        (self.home / "config.toml").write_text(text)
+
+    def wait_healthy(self, daemon: Daemon) -> None:
+        """Poll the SuperLink's ``/health`` until it answers (bounded by ``start_timeout``)."""
+        scheme, context = "http", None
+        if self.credentials is not None:
+            scheme, context = "https", ssl.create_default_context(cafile=self.credentials.ca_cert)
+        url = f"{scheme}://127.0.0.1:{self.port}/health"
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if not daemon.alive:
+                raise DeploymentError(f"the SuperLink exited early:\n{daemon.tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2, context=context) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise DeploymentError(f"the SuperLink gave no health answer in {self.start_timeout:g} s")
+
+    def register_node(self, k: int) -> None:
+        """Register SuperNode k's public key with the SuperLink."""
+        assert self.credentials is not None
+        self.flwr(
+            ["supernode", "register", str(self.credentials.node_public_key(k)), CONNECTION],
+            timeout=60,
+        )
+
+    def start_node(
+        self,
+        k: int,
+        partition: int,
+        partitions: int,
+        key: Path | None | bool = True,
+        max_wait: float = 60.0,
+        state_dir: Path | None = None,
+    ) -> Daemon:
+        """Start SuperNode k holding client ``partition`` of ``partitions``.
+
+        Args:
+            k: Node index (its log, port and default key).
+            partition: Client id i (``partition-id``).
+            partitions: Number of clients I (``num-partitions``).
+            key: Private key to authenticate with: ``True`` for node k's key when the
+                deployment authenticates, a path for another key, ``None``/``False`` for none.
+            max_wait: Seconds the node keeps trying to reach the SuperLink.
+            state_dir: Where the node saves client states (default ``workdir/state/node<k>``).
+        """
+        state_dir = state_dir or self.workdir / "state" / f"node{k}"
+        node_config = (
+            f'partition-id={partition} num-partitions={partitions} state-dir="{state_dir}"'
+        )
+        command = [
+            "flower-supernode",
+            "--superlink",
+            f"127.0.0.1:{self.port}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+            "--max-wait-time",
+            str(max_wait),
+            "--node-config",
+            node_config,
+        ]
+        if self.credentials is None:
+            command.append("--insecure")
+        else:
+            command += ["--root-certificates", str(self.credentials.ca_cert)]
+            if key is True and self.authenticate:
+                key = self.credentials.node_key(k)
+            if isinstance(key, Path):
+                command += ["--auth-supernode-private-key", str(key)]
+        daemon = self._spawn(f"supernode{k}", command)
+        self.nodes[k] = daemon
+        return daemon
+
+    def start_nodes(self, count: int, partitions: int | None = None) -> None:
+        """Register (with authentication) and start ``count`` SuperNodes, node k holding client k."""
+        partitions = count if partitions is None else partitions
+        for k in range(count):
+            if self.authenticate:
+                self.register_node(k)
+            self.start_node(k, k, partitions)
+        self.say(f"{count} SuperNodes started (logs in {self.logs})")
+
+    def kill_node(self, k: int) -> None:
+        """Kill SuperNode k and the processes it started (a crash, for fault tests)."""
+        daemon = self.nodes[k]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(daemon.process.pid, signal.SIGKILL)
+        daemon.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        """End every process group this deployment started: SIGTERM, wait, then SIGKILL.
+
+        A second Ctrl-C or SIGTERM during the shutdown is ignored, so it always completes.
+        """
+        with _signals_ignored():
+            self._stop()
+
+    def _stop(self) -> None:
+        for daemon in self.daemons:
+            if daemon.alive:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(daemon.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for daemon in self.daemons:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                daemon.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        for daemon in self.daemons:
+            # The group may hold children (ServerApp / ClientApp processes) after its leader left.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(daemon.process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                daemon.process.wait(timeout=5)
+            if daemon._handle is not None:
+                daemon._handle.close()
+                daemon._handle = None
+
+    # --- runs ---------------------------------------------------------------------------------
+
+    def flwr(self, args: Sequence[str], timeout: float = 120.0) -> str:
+        """Run the ``flwr`` CLI against this deployment; returns its output."""
+        try:
+            done = subprocess.run(
+                ["flwr", *args],
+                env=self.env,
+                cwd=self.workdir,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                start_new_session=True,
+            )
+        except subprocess.TimeoutExpired:
+            raise DeploymentError(f"flwr {' '.join(args[:2])} took over {timeout:g} s") from None
+        if done.returncode != 0:
+            raise DeploymentError(
+                f"flwr {' '.join(args[:2])} failed ({done.returncode}): "
+                f"{(done.stdout + done.stderr).strip()[-2000:]}"
+            )
+        return done.stdout
+
+    def submit(self, run_config: Mapping[str, Any], app: Path | None = None) -> int:
+        """Start a run of the pflego app with ``run_config``; returns the run id."""
+        overrides = self.workdir / f"run-config-{time.time_ns()}.toml"
+        overrides.write_text(tomli_w.dumps(dict(run_config)))
+        output = self.flwr(
+            [
+                "run",
+                str(app or app_dir()),
+                CONNECTION,
+                "--run-config",
+                str(overrides),
+                "--format",
+                "json",
+            ]
+        )
+        try:
+            answer = json.loads(output[output.index("{") :])
+            return int(answer["run-id"])
+        except (ValueError, KeyError) as exc:
+            raise DeploymentError(f"flwr run gave no run id ({exc}): {output[-2000:]}") from None
+
+    def status(self, run_id: int) -> str:
+        """The run's status as ``flwr ls`` reports it (for example ``finished:completed``)."""
+        output = self.flwr(["ls", CONNECTION, "--run-id", str(run_id), "--format", "json"])
+        answer = json.loads(output[output.index("{") :])
+        runs = answer.get("runs", [])
+        return str(runs[0].get("status", "unknown")) if runs else "unknown"
+
+    def run_log(self, run_id: int) -> str:
+        """The run's log (the ServerApp's output) as the SuperLink keeps it."""
+        try:
+            return self.flwr(["log", str(run_id), CONNECTION, "--show"], timeout=60)
+        except DeploymentError as exc:
+            return str(exc)
+
+    def wait(self, run_id: int, timeout: float, poll: float = 2.0) -> str:
+        """Wait until the run finishes (or ``timeout`` passes); returns its last status."""
+        deadline = time.monotonic() + timeout
+        status = "unknown"
+        while time.monotonic() < deadline:
+            status = self.status(run_id)
+            if status.startswith("finished"):
+                return status
+            if not self.daemons[0].alive:
+                raise DeploymentError(f"the SuperLink exited:\n{self.daemons[0].tail()}")
+            time.sleep(poll)
+        return status

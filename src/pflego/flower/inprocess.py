@@ -1,0 +1,123 @@
+"""An in-process Flower grid: the ServerApp's loop and the ClientApp run in one Python process.
+
+It passes real Flower ``Message`` objects between :class:`~pflego.flower.server.FlowerServer` and
+:data:`~pflego.flower.apps.client_app`, with one ``Context`` per node, so the whole Flower path
+(records, ClientApp, server loop) runs without daemons. Tests use it to compare with the
+simulator; ``drop`` simulates nodes that fail or never answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from flwr.app import Context, Error, Message, Metadata, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+from pflego.config import Config
+from pflego.flower.records import encode_config
+
+RUN_ID = 1
+
+
+class InProcessGrid(Grid):
+    """A grid whose nodes are ``Context`` objects served by a ``ClientApp`` in this process.
+
+    Args:
+        client_app: The ClientApp every node runs.
+        config: The run's experiment config (sent as the run config).
+        state_dir: Where nodes save client states.
+        node_ids: Node ids, one per client (default ``1000 + i``).
+        drop: ``drop(node_id, message) -> None | "error" | "silent"``: make a node fail with an
+            error reply or never answer.
+    """
+
+    def __init__(
+        self,
+        client_app: Callable[[Message, Context], Message],
+        config: Config,
+        state_dir: str | Path,
+        node_ids: Iterable[int] | None = None,
+        drop: Callable[[int, Message], str | None] | None = None,
+    ) -> None:
+        ids = list(node_ids) if node_ids is not None else [1000 + i for i in range(config.clients)]
+        run_config = {"pflego-config": encode_config(config), "state-dir": str(state_dir)}
+        self.client_app = client_app
+        self.contexts = {
+            node: Context(
+                RUN_ID,
+                node,
+                {"partition-id": i, "num-partitions": config.clients},
+                RecordDict(),
+                dict(run_config),
+            )
+            for i, node in enumerate(ids)
+        }
+        # What the ServerApp process sets up in a deployment: lets ``Message(...)`` be built.
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, 0, 1
+        self.drop = drop or (lambda node, message: None)
+        self.ids = itertools.count(1)
+        self.sent: list[Message] = []
+
+    @property
+    def run(self):  # noqa: D102  (part of the Grid interface; unused here)
+        raise NotImplementedError
+
+    def set_run(self, run_id: int) -> None:  # noqa: D102
+        pass
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        metadata = Metadata(
+            run_id=RUN_ID,
+            message_id=f"m{next(self.ids)}",
+            src_node_id=0,
+            dst_node_id=dst_node_id,
+            reply_to_message_id="",
+            group_id=group_id,
+            created_at=time.time(),
+            ttl=ttl or 3600.0,
+            message_type=message_type,
+        )
+        return Message(content=content, metadata=metadata)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        raise NotImplementedError("use send_and_receive")
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        raise NotImplementedError("use send_and_receive")
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
+        replies = []
+        for message in messages:
+            self.sent.append(message)
+            node = message.metadata.dst_node_id
+            if node not in self.contexts:
+                replies.append(Message(Error(5, "node unavailable"), reply_to=message))
+                continue
+            fault = self.drop(node, message)
+            if fault == "silent":
+                continue
+            if fault == "error":
+                replies.append(Message(Error(0, "injected failure"), reply_to=message))
+                continue
+            try:
+                replies.append(self.client_app(message, self.contexts[node]))
+            except Exception:  # noqa: BLE001  (a failing ClientApp becomes an error reply)
+                replies.append(Message(Error(0, traceback.format_exc()), reply_to=message))
+        return replies

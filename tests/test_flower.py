@@ -1,0 +1,324 @@
+"""Flower adapter, fast tier: everything in process, no daemons.
+
+The Flower path (records, ClientApp, server loop) must give the simulator's numbers for every
+registered algorithm, survive node restarts, and keep going when nodes fail.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("flwr", exc_type=ImportError)
+
+from flwr.app import RecordDict  # noqa: E402
+
+from pflego import tree  # noqa: E402
+from pflego.algorithms import ALGORITHMS  # noqa: E402
+from pflego.config import load_config  # noqa: E402
+from pflego.flower import records  # noqa: E402
+from pflego.flower.apps import STATE_KEY, client_app  # noqa: E402
+from pflego.flower.inprocess import InProcessGrid  # noqa: E402
+from pflego.flower.node import load_node  # noqa: E402
+from pflego.flower.server import FlowerServer, realized_context, stack_outs  # noqa: E402
+from pflego.history import RunDir  # noqa: E402
+from pflego.sim.runner import Simulation, build_experiment  # noqa: E402
+from pflego.types import ClientOut, RoundContext  # noqa: E402
+
+SMALL = dict(
+    clients=5,
+    participation=0.4,
+    rounds=2,
+    inner_steps=2,
+    eval_every=2,
+    average_last=0,
+    seed=3,
+)
+
+
+def small_config(algorithm: str, **changes):
+    return load_config(None, algorithm=algorithm, **{**SMALL, **changes})
+
+
+def simulate(config, run_dir: RunDir | None = None) -> Simulation:
+    """The simulator's round loop for ``config`` (evaluations on the run's schedule)."""
+    sim = Simulation(build_experiment(config), run_dir)
+    sim.evaluate(0)
+    for t in range(config.rounds):
+        sim.run_round(t)
+        if (t + 1) % config.eval_every == 0 or t + 1 == config.rounds:
+            sim.evaluate(t + 1)
+    return sim
+
+
+def without_seconds(records_: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in records_]
+
+
+def read_rows(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# --- records ----------------------------------------------------------------------------------
+
+
+def test_records_round_trip_is_exact():
+    params = {
+        "body.w": torch.randn(3, 4),
+        "body.b": torch.randn(4, dtype=torch.float64),
+        "scalar": torch.tensor(2.5),
+    }
+    back = records.params_from_record(records.params_to_record(params))
+    assert back.keys() == params.keys()
+    for k in params:
+        assert back[k].dtype == params[k].dtype and torch.equal(back[k], params[k])
+
+    out = ClientOut({"body.w": torch.randn(2, 2)}, torch.tensor(0.125), {"loss": torch.tensor(1.5)})
+    again = records.client_out_from_record(records.client_out_to_record(out))
+    assert torch.equal(again.upload["body.w"], out.upload["body.w"])
+    assert torch.equal(again.weight, out.weight)
+    assert torch.equal(again.metrics["loss"], out.metrics["loss"])
+
+    ctx = RoundContext(3, 50, 10.0, 3749, 0.05, 0.1 + 0.2)
+    assert records.context_from_record(records.context_to_record(ctx)) == ctx
+
+    config = small_config("fedper", options={}, data_dir="/tmp/some 'dir'")
+    assert records.decode_config(records.encode_config(config)) == config
+
+
+# --- the Flower path equals the simulator -----------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_flower_path_equals_simulator(algorithm, tmp_path):
+    config = small_config(algorithm)
+    sim_dir = RunDir(tmp_path / "sim")
+    sim_dir.start({}, [])
+    sim = simulate(config, sim_dir)
+    run_dir = RunDir(tmp_path / "flower")
+    run_dir.start({}, [])
+    grid = InProcessGrid(client_app, config, tmp_path / "state")
+    flower = FlowerServer(build_experiment(config), grid, run_dir, join_timeout=1)
+    history = flower.run()
+
+    for key, value in sim.server["params"].items():
+        assert torch.equal(flower.server["params"][key], value), key
+    assert without_seconds(history.records) == without_seconds(sim.records)
+    assert read_rows(tmp_path / "flower" / "clients.csv") == read_rows(
+        tmp_path / "sim" / "clients.csv"
+    )
+    assert set(history.records[0]) == set(sim.records[0])
+    # Private states: what each node keeps equals the simulator's store.
+    for context in grid.contexts.values():
+        client = int(context.node_config["partition-id"])
+        if sim.store.visited[client]:
+            kept = records.params_from_record(context.state[STATE_KEY])
+            stored = sim.store.get(client)
+            assert kept.keys() == stored.keys()
+            assert all(torch.equal(kept[k], stored[k]) for k in kept)
+        else:
+            assert STATE_KEY not in context.state
+    assert (tmp_path / "flower" / "curves.png").is_file()
+
+
+def test_bernoulli_participation_equals_simulator(tmp_path):
+    config = small_config("pflego", sampling="bernoulli", participation=0.5)
+    sim = simulate(config)
+    grid = InProcessGrid(client_app, config, tmp_path / "state")
+    flower = FlowerServer(build_experiment(config), grid, None, join_timeout=1)
+    history = flower.run()
+    for key, value in sim.server["params"].items():
+        assert torch.equal(flower.server["params"][key], value), key
+    assert without_seconds(history.records) == without_seconds(sim.records)
+
+
+def test_state_survives_a_node_restart(tmp_path):
+    """A restarted SuperNode has an empty ``context.state``; the state comes back from disk."""
+    config = small_config("pflego", participation=0.6)
+    sim = simulate(config)
+    grid = InProcessGrid(client_app, config, tmp_path / "state")
+    flower = FlowerServer(build_experiment(config), grid, None, join_timeout=1)
+    flower.evaluate(0)
+    flower.run_round(0)
+    for context in grid.contexts.values():  # every node restarts between rounds
+        context.state = RecordDict()
+    flower.run_round(1)
+    record = flower.evaluate(2)
+    for key, value in sim.server["params"].items():
+        assert torch.equal(flower.server["params"][key], value), key
+    assert without_seconds([record]) == without_seconds(sim.records[-1:])
+    assert sorted(p.name for p in (tmp_path / "state" / "run-1").iterdir())
+
+
+# --- faults -----------------------------------------------------------------------------------
+
+
+def test_failed_and_silent_nodes_do_not_stop_the_run(tmp_path, caplog):
+    config = small_config("pflego", participation=0.6, rounds=3, eval_every=1)
+    sim = Simulation(build_experiment(config), None)
+    cohorts = [sorted(int(c) for c in sim.cohort(t)) for t in range(3)]
+    node_of = lambda client: 1000 + client  # noqa: E731  (InProcessGrid's default node ids)
+    failing = {"train-0": cohorts[0][0], "train-1": cohorts[1][-1], "evaluate-3": 4}
+
+    def drop(node, message):
+        victim = failing.get(message.metadata.group_id)
+        if victim is not None and node == node_of(victim):
+            return "error" if message.metadata.group_id == "train-0" else "silent"
+        return None
+
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.start({}, [])
+    grid = InProcessGrid(client_app, config, tmp_path / "state", drop=drop)
+    server = FlowerServer(build_experiment(config), grid, run_dir, round_timeout=1, join_timeout=1)
+    with caplog.at_level("WARNING", logger="pflego.flower"):
+        history = server.run()
+
+    assert [r["round"] for r in history.records] == [0, 1, 2, 3]
+    events = [
+        json.loads(line) for line in (tmp_path / "run" / "flower.jsonl").read_text().splitlines()
+    ]
+    train = [e for e in events if e["phase"] == "train"]
+    assert (
+        str(cohorts[0][0]) in train[0]["missing"]
+        and "injected failure" in train[0]["missing"][str(cohorts[0][0])]
+    )
+    assert str(cohorts[1][-1]) in train[1]["missing"]
+    assert train[0]["cohort_size"] == pytest.approx(3 * 2 / 3)
+    assert train[2]["missing"] == {} and train[2]["cohort_size"] == 3
+    assert "4" in events[-1]["missing"]
+    assert f"client {cohorts[0][0]}" in caplog.text and "missing" in caplog.text
+    # The last evaluation summarizes the clients that answered.
+    assert len(read_rows(tmp_path / "run" / "clients.csv")) == 5 * 3 + 4
+
+
+def test_a_round_without_answers_leaves_the_server_unchanged(tmp_path):
+    config = small_config("fedavg", rounds=1)
+    grid = InProcessGrid(
+        client_app,
+        config,
+        tmp_path / "state",
+        drop=lambda node, m: "silent" if m.metadata.message_type == "train" else None,
+    )
+    server = FlowerServer(build_experiment(config), grid, None, round_timeout=1, join_timeout=1)
+    before = dict(server.server["params"])
+    server.evaluate(0)
+    event = server.run_round(0)
+    assert event["answered"] == [] and len(event["missing"]) == 2
+    assert all(torch.equal(before[k], v) for k, v in server.server["params"].items())
+
+
+# --- PFLEGO's step stays unbiased when nodes drop out -----------------------------------------
+
+
+def _pflego_uploads(config):
+    """Every client's PFLEGO upload (alpha_i, g_i) at round 0, and the round's context."""
+    experiment = build_experiment(config)
+    sim = Simulation(experiment, None)
+    ctx = sim.context(0)
+    downlink = experiment.algorithm.downlink(
+        experiment.algorithm.init_server(experiment.algorithm.init_params(config.seed)), ctx
+    )
+    outs = []
+    for i in range(config.clients):
+        node = load_node(config, i)
+        out, _ = node.train(downlink, node.first_visit_state(downlink, ctx), ctx)
+        outs.append(out)
+    return experiment.algorithm, ctx, outs
+
+
+def _expected_step(algorithm, ctx, outs, cohorts, q, correct=True):
+    """E[aggregate | at least one answer] over cohorts (with their probabilities) and failures."""
+    total, mass = None, 0.0
+    for cohort, p_cohort in cohorts:
+        for answered in itertools.chain.from_iterable(
+            itertools.combinations(cohort, a) for a in range(1, len(cohort) + 1)
+        ):
+            p = p_cohort * q ** len(answered) * (1 - q) ** (len(cohort) - len(answered))
+            real = realized_context(ctx, len(cohort), len(answered)) if correct else ctx
+            step = tree.scale(algorithm.aggregate(stack_outs([outs[i] for i in answered]), real), p)
+            total = step if total is None else tree.add(total, step)
+            mass += p
+    return tree.scale(total, 1.0 / mass)
+
+
+def test_pflego_step_unbiased_under_random_dropout_fixed_r():
+    config = small_config("pflego", participation=0.4)  # I = 5, r = 2
+    algorithm, ctx, outs = _pflego_uploads(config)
+    exact = tree.weighted_sum(stack_outs(outs).upload, stack_outs(outs).weight)  # sum_i alpha_i g_i
+    cohorts = [(c, 1 / 10) for c in itertools.combinations(range(5), 2)]
+    q = 0.7
+    corrected = _expected_step(algorithm, ctx, outs, cohorts, q)
+    for k in exact:
+        torch.testing.assert_close(corrected[k], exact[k], rtol=1e-5, atol=1e-7)
+    naive = _expected_step(algorithm, ctx, outs, cohorts, q, correct=False)
+    ratio = tree.dot(naive, exact) / tree.sq_norm(exact)
+    assert float(ratio) < 0.95  # without the correction the step shrinks by about q
+
+
+def test_pflego_step_given_the_cohort_is_the_simulators_under_bernoulli():
+    config = small_config("pflego", sampling="bernoulli", participation=0.5)
+    algorithm, ctx, outs = _pflego_uploads(config)
+    cohort = (0, 2, 3)
+    simulator_step = algorithm.aggregate(stack_outs([outs[i] for i in cohort]), ctx)
+    expected = _expected_step(algorithm, ctx, outs, [(cohort, 1.0)], q=0.6)
+    for k in simulator_step:
+        torch.testing.assert_close(expected[k], simulator_step[k], rtol=1e-5, atol=1e-7)
+
+
+# --- packaging and CLI ------------------------------------------------------------------------
+
+
+def test_app_folder_ships_with_the_package():
+    from pflego.flower.deploy import app_dir
+
+    spec = tomllib.loads((app_dir() / "pyproject.toml").read_text())
+    flwr = spec["tool"]["flwr"]
+    assert flwr["app"]["components"] == {
+        "serverapp": "pflego.flower.apps:server_app",
+        "clientapp": "pflego.flower.apps:client_app",
+    }
+    assert "federations" not in flwr
+    assert {"pflego-config", "out", "round-timeout", "join-timeout", "state-dir"} <= set(
+        flwr["app"]["config"]
+    )
+
+
+def test_core_and_simulator_never_import_flwr():
+    code = (
+        "import sys, pflego, pflego.sim.runner, pflego.cli, pflego.flower.cli;"
+        "pflego.cli.build_parser();"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'flwr'], 'flwr imported'"
+    )
+    import pflego
+
+    env = {**os.environ, "PYTHONPATH": str(Path(pflego.__file__).parents[1])}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
+
+
+def test_cli_certs_and_argument_checks(tmp_path, capsys):
+    from pflego.flower.cli import main
+
+    assert main(["flower", "certs", "--dir", str(tmp_path / "c"), "--nodes", "2"]) == 0
+    names = sorted(p.name for p in (tmp_path / "c").iterdir())
+    assert names == [
+        "ca.crt",
+        "node0",
+        "node0.pub",
+        "node1",
+        "node1.pub",
+        "server.key",
+        "server.pem",
+    ]
+    assert (tmp_path / "c" / "node0.pub").read_text().startswith("ecdsa-sha2-nistp384 ")
+    assert main(["flower", "local", "--nodes", "3", "--clients", "4"]) == 2
+    assert "--nodes=3 but --clients=4" in capsys.readouterr().err

@@ -1,0 +1,234 @@
+"""Flower adapter, slow tier: real SuperLink and SuperNodes on loopback.
+
+Each scenario of ``flower_scenario.py`` runs inside a private network namespace
+(``unshare -n``, only ``lo`` up), so nothing can leave the machine. Every scenario is bounded in
+time, and each test checks afterwards that no process it started is left (the scenario's
+``FLWR_HOME`` appears in no process's environment).
+
+Run with ``pytest -m slow tests/test_flower_daemons.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip(
+    "flwr", reason="Flower is not installed (pip install 'pflego[flower]')", exc_type=ImportError
+)
+
+from pflego.config import load_config  # noqa: E402
+from pflego.flower.deploy import netns_available  # noqa: E402
+from pflego.sim.runner import Simulation, build_experiment  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        shutil.which("flower-superlink") is None, reason="the Flower daemons are not on PATH"
+    ),
+    pytest.mark.usefixtures("private_network"),
+]
+
+
+@pytest.fixture(scope="module")
+def private_network() -> None:
+    """Skip (with the reason) where no private network namespace can be made."""
+    if not netns_available():
+        pytest.skip(
+            "no private network namespace here (`unshare -n` needs root or user namespaces)"
+        )
+
+
+SCENARIO = Path(__file__).with_name("flower_scenario.py")
+LIMIT = 540  # seconds a scenario may take before it is stopped
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs whose environment contains ``text`` (our unique work directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if text.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def run_scenario(name: str, workdir: Path) -> dict:
+    """Run one scenario in a new network namespace; always leaves no process behind."""
+    import pflego
+
+    result_path = workdir / "result.json"
+    env = {**os.environ, "PYTHONPATH": str(Path(pflego.__file__).parents[1])}
+    command = [sys.executable, str(SCENARIO), name, str(workdir), str(result_path)]
+    inner = " ".join(f"'{c}'" for c in command)
+    process = subprocess.Popen(
+        ["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {inner}"],
+        env=env,
+        start_new_session=True,
+    )
+    start = time.monotonic()
+    try:
+        process.wait(timeout=LIMIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGTERM)  # the scenario stops its daemons
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        pytest.fail(f"scenario {name} took over {LIMIT} s")
+    finally:
+        deadline = time.monotonic() + 15
+        while processes_mentioning(str(workdir)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = processes_mentioning(str(workdir))
+        for pid in left:  # only processes of this scenario carry its work directory
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"scenario {name} left processes behind: {left}"
+    result = json.loads(result_path.read_text())
+    result["wall_seconds"] = round(time.monotonic() - start, 1)
+    print(f"\nscenario {name}: {result['wall_seconds']} s")
+    assert "error" not in result, result["error"]
+    return result
+
+
+def simulator_records(config: dict) -> list[dict]:
+    cfg = load_config(config)
+    sim = Simulation(build_experiment(cfg), None)
+    sim.evaluate(0)
+    for t in range(cfg.rounds):
+        sim.run_round(t)
+        if sim.should_evaluate(t + 1):
+            sim.evaluate(t + 1)
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in sim.records]
+
+
+def assert_matches_simulator(result: dict, name: str) -> None:
+    run = result[name]
+    assert run["status"] == "finished:completed", run.get("log")
+    flower = [{k: v for k, v in r.items() if k != "seconds"} for r in run["records"]]
+    assert flower == simulator_records(result["configs"][name])
+    assert {"config.yaml", "metrics.jsonl", "clients.csv", "partition.json", "curves.png"} <= set(
+        run["files"]
+    )
+    assert all(not e["missing"] for e in run["events"])
+
+
+@pytest.fixture(scope="module")
+def secure_result(private_network, tmp_path_factory):
+    return run_scenario("secure", tmp_path_factory.mktemp("secure"))
+
+
+def test_pflego_and_fedavg_on_three_supernodes_match_the_simulator(tmp_path):
+    result = run_scenario("plain", tmp_path)
+    assert_matches_simulator(result, "pflego")
+    assert_matches_simulator(result, "fedavg")
+
+
+def test_the_same_with_tls_and_supernode_authentication(secure_result):
+    assert_matches_simulator(secure_result, "pflego")
+    assert_matches_simulator(secure_result, "fedavg")
+
+
+def test_an_unregistered_supernode_is_refused(secure_result):
+    intruder = secure_result["intruder"]
+    assert intruder["exit_code"] not in (0, None), intruder["log"]
+    assert any("Exit Code: 305" in line for line in intruder["log"]), intruder["log"]
+    assert intruder["superlink_refusals"] >= 1
+    # It never took part: every evaluation was answered by exactly the three registered nodes.
+    for name in ("pflego", "fedavg"):
+        for event in secure_result[name]["events"]:
+            if event["phase"] == "evaluate":
+                assert event["answered"] == [0, 1, 2]
+
+
+def test_a_node_killed_mid_run_does_not_stop_the_run(tmp_path):
+    result = run_scenario("kill", tmp_path)
+    run = result["kill"]
+    assert run["status"] == "finished:completed", run.get("log")
+    assert [r["round"] for r in run["records"]] == [0, 1, 2, 3]
+    train = [e for e in run["events"] if e["phase"] == "train"]
+    assert train[0]["answered"] == [0, 1, 2]
+    assert all("2" in e["missing"] and e["answered"] == [0, 1] for e in train[1:]), train
+    evaluations = [e for e in run["events"] if e["phase"] == "evaluate"]
+    assert "2" in evaluations[-1]["missing"]
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pflego.flower.cli", "flower", "local", *args]
+
+
+SMALL_RUN = [
+    "--nodes", "3", "--classes-per-client", "4", "--participation", "0.67", "--rounds", "1",
+    "--inner-steps", "2", "--eval-every", "1", "--set", "average_last=0", "--seed", "5",
+]  # fmt: skip
+
+
+def cli_env() -> dict[str, str]:
+    import pflego
+
+    return {**os.environ, "PYTHONPATH": str(Path(pflego.__file__).parents[1])}
+
+
+def assert_nothing_left(workdir: Path) -> None:
+    deadline = time.monotonic() + 15
+    while processes_mentioning(str(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = processes_mentioning(str(workdir))
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}"
+
+
+def test_pflego_flower_local_writes_the_run_directory_and_stops_everything(tmp_path):
+    out, work = tmp_path / "run", tmp_path / "work"
+    command = cli(*SMALL_RUN, "--out", str(out), "--workdir", str(work), "--round-timeout", "60")
+    try:
+        done = subprocess.run(
+            command, env=cli_env(), capture_output=True, text=True, timeout=LIMIT,
+            start_new_session=True,
+        )  # fmt: skip
+    finally:
+        assert_nothing_left(work)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "test accuracy" in done.stdout
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0, 1]
+    assert (out / "clients.csv").is_file() and (out / "config.yaml").is_file()
+
+
+def test_ctrl_c_on_pflego_flower_local_stops_every_process(tmp_path):
+    out, work = tmp_path / "run", tmp_path / "work"
+    command = cli(*SMALL_RUN, "--out", str(out), "--workdir", str(work))
+    process = subprocess.Popen(
+        command, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        deadline = time.monotonic() + 240
+        for line in process.stdout:
+            lines.append(line)
+            if " started; run directory" in line or time.monotonic() > deadline:
+                break
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground group
+        code = process.wait(timeout=90)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        assert_nothing_left(work)
+    assert any(" started; run directory" in line for line in lines), "".join(lines)
+    assert code == 130, "".join(lines) + process.stdout.read()
