@@ -18,7 +18,7 @@ import yaml
 from pflego.errors import ConfigError
 
 SAMPLING = ("fixed", "bernoulli")
-BACKENDS = ("loop",)
+BACKENDS = ("vmap", "loop")
 DTYPES = ("float32", "float64")
 
 
@@ -53,7 +53,8 @@ class Config:
     eval_every: int = 10
     average_last: int = 10
     checkpoint_every: int = 10
-    backend: str = "loop"
+    backend: str = "vmap"
+    chunk_size: int | None = None
     device: str = "cpu"
     dtype: str = "float32"
     out: str | None = None
@@ -77,7 +78,7 @@ class Config:
                 raise ConfigError(f"{name}={value} must be positive")
         if self.server_lr is not None and not self.server_lr > 0:
             raise ConfigError(f"server_lr={self.server_lr} must be positive")
-        for name in ("batch_size", "local_epochs"):
+        for name in ("batch_size", "local_epochs", "chunk_size"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"{name}={value} must be positive (or unset)")
@@ -94,9 +95,26 @@ class Config:
                 raise ConfigError(
                     f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}"
                 )
+        check_device(self.device)
         if not isinstance(self.options, dict):
             raise ConfigError("options must be a mapping of algorithm option names to values")
         return self
+
+
+def check_device(device: str) -> None:
+    """Fail with one line unless ``device`` is ``cpu``, or ``cuda[:N]`` with that GPU present."""
+    import torch
+
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise ConfigError(f"device={device!r} is not one of cpu, cuda, cuda:N")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} but no CUDA GPU is available; use device=cpu")
+        if index and int(index) >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device={device!r} but only {torch.cuda.device_count()} CUDA GPU(s) exist"
+            )
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}

@@ -1,39 +1,99 @@
-"""Evaluation of every client's personalized model: L(psi) and test accuracy statistics."""
+"""Evaluation of every client's personalized model: L(psi) and test accuracy statistics.
+
+All clients are evaluated together: ``predict`` runs under ``torch.func.vmap`` over chunks of
+clients whose samples are gathered, padded, from a :class:`~pflego.sim.clients.ClientPool` that
+already lives on the device.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import Tensor
+from torch.func import vmap
 
+from pflego import tree
 from pflego.algorithms import Algorithm
 from pflego.data import FederatedData
-from pflego.local import masked_cross_entropy
-from pflego.sim.clients import label_mask
+from pflego.sim.clients import ClientPool
 from pflego.tree import Params
 from pflego.types import ClientState
 
+#: Default budget of padded input elements per evaluation chunk (128 MB of float32).
+EVAL_BUDGET = 2**25
 
-def _loss_and_correct(
-    algorithm: Algorithm, downlink: Params, state: ClientState, x: Tensor, y: Tensor, lmask: Tensor
-) -> tuple[float, float]:
-    if len(y) == 0:
-        return float("nan"), float("nan")
+
+def _client_metrics(
+    algorithm: Algorithm,
+    downlink: Params,
+    state: ClientState,
+    x: Tensor,
+    y: Tensor,
+    mask: Tensor,
+    lmask: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Mean loss and accuracy of one client over its real samples (NaN without samples)."""
     logits = algorithm.predict(downlink, state, x)
     logits = torch.where(lmask > 0, logits, torch.finfo(logits.dtype).min)
-    loss = masked_cross_entropy(logits, y, torch.ones_like(y, dtype=logits.dtype))
-    return float(loss), float((logits.argmax(-1) == y).to(torch.float64).mean())
+    per_sample = -torch.log_softmax(logits, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    correct = (logits.argmax(-1) == y).to(mask.dtype)
+    n = mask.sum()
+    return (per_sample * mask).sum() / n, (correct * mask).sum() / n
+
+
+def split_metrics(
+    algorithm: Algorithm,
+    downlink: Params,
+    states: ClientState,
+    pool: ClientPool,
+    chunk_size: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-client mean loss and accuracy on one split, vectorized over chunks of clients.
+
+    Args:
+        algorithm: Supplies ``predict``.
+        downlink: The shared parameters, on the pool's device.
+        states: Every client's private state stacked ``[I, ...]`` (any device).
+        pool: The split's data.
+        chunk_size: Clients per chunk; by default as many as fit ``EVAL_BUDGET`` input elements.
+
+    Returns:
+        ``(loss, acc)`` as float64 arrays ``[I]``.
+    """
+    num = len(pool.sizes)
+    if chunk_size is None:
+        per_client = max(1, int(pool.sizes.max(initial=1)) * math.prod(pool.x.shape[1:]))
+        chunk_size = max(1, EVAL_BUDGET // per_client)
+    fn = vmap(
+        lambda s, x, y, m, lm: _client_metrics(algorithm, downlink, s, x, y, m, lm),
+        randomness="different",
+    )
+    losses, accs = [], []
+    for start in range(0, num, chunk_size):
+        ids = np.arange(start, min(num, start + chunk_size))
+        x, y, mask = pool.padded(ids)
+        chunk_states = {k: v[start : start + len(ids)].to(pool.device) for k, v in states.items()}
+        lmask = pool.label_masks[start : start + len(ids)]
+        loss, acc = fn(chunk_states, x, y, mask, lmask)
+        losses.append(loss)
+        accs.append(acc)
+    return (
+        torch.cat(losses).double().cpu().numpy(),
+        torch.cat(accs).double().cpu().numpy(),
+    )
 
 
 @torch.no_grad()
-def evaluate(
+def evaluate_pools(
     algorithm: Algorithm,
     downlink: Params,
-    client_state: Callable[[int], ClientState],
-    data: FederatedData,
-    dtype: torch.dtype,
+    states: ClientState,
+    train: ClientPool,
+    test: ClientPool,
+    chunk_size: int | None = None,
 ) -> tuple[dict[str, float], list[dict[str, float]]]:
     """Evaluate every client's personalized model on its train and test data.
 
@@ -42,31 +102,37 @@ def evaluate(
         ``test_acc`` the unweighted mean over clients, ``test_acc_weighted`` weighted by test size,
         ``test_acc_p10`` the bottom decile of client accuracies) and one row per client.
     """
-    local = algorithm.label_space == "local"
-    rows = []
-    for i in range(data.num_clients):
-        state, lmask = client_state(i), label_mask(data, i, algorithm.label_space, dtype)
-        tr, te = data.train_slice(i), data.test_slice(i)
-        y_tr = (data.y_train_local if local else data.y_train)[tr]
-        y_te = (data.y_test_local if local else data.y_test)[te]
-        train_loss, train_acc = _loss_and_correct(
-            algorithm, downlink, state, data.inputs(data.x_train[tr]).to(dtype), y_tr, lmask
-        )
-        test_loss, test_acc = _loss_and_correct(
-            algorithm, downlink, state, data.inputs(data.x_test[te]).to(dtype), y_te, lmask
-        )
-        rows.append(
-            {
-                "client": i,
-                "n_train": len(y_tr),
-                "n_test": len(y_te),
-                "train_loss": train_loss,
-                "train_acc": train_acc,
-                "test_loss": test_loss,
-                "test_acc": test_acc,
-            }
-        )
+    train_loss, train_acc = split_metrics(algorithm, downlink, states, train, chunk_size)
+    test_loss, test_acc = split_metrics(algorithm, downlink, states, test, chunk_size)
+    columns = {
+        "client": np.arange(len(train.sizes)),
+        "n_train": train.sizes,
+        "n_test": test.sizes,
+        "train_loss": train_loss,
+        "train_acc": train_acc,
+        "test_loss": test_loss,
+        "test_acc": test_acc,
+    }
+    lists = {k: v.tolist() for k, v in columns.items()}
+    rows = [dict(zip(lists, values)) for values in zip(*lists.values())]
     return summarize(rows), rows
+
+
+def evaluate(
+    algorithm: Algorithm,
+    downlink: Params,
+    client_state: Callable[[int], ClientState],
+    data: FederatedData,
+    dtype: torch.dtype,
+) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """Evaluate from a per-client state function (convenience form of :func:`evaluate_pools`)."""
+    states = tree.stack(client_state(i) for i in range(data.num_clients))
+    device = next(iter(downlink.values())).device
+    pools = [
+        ClientPool.build(data, split, algorithm.label_space, dtype, device)
+        for split in ("train", "test")
+    ]
+    return evaluate_pools(algorithm, downlink, states, *pools)
 
 
 def summarize(rows: list[dict[str, float]]) -> dict[str, float]:

@@ -86,3 +86,8 @@ def select(tree: Mapping[str, Tensor], prefixes: Iterable[str]) -> Params:
 def detach(tree: Mapping[str, Tensor]) -> Params:
     """Detached copies of every leaf."""
     return {k: v.detach() for k, v in tree.items()}
+
+
+def to(tree: Mapping[str, Tensor], device: torch.device | str) -> Params:
+    """Every leaf moved to ``device``."""
+    return {k: v.to(device) for k, v in tree.items()}

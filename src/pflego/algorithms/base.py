@@ -30,7 +30,7 @@ class Algorithm:
     Roles are declared, never inferred from names inside the maths: ``shared`` lists the parameter
     groups the server holds (``body``, ``head``), ``personal`` those that live on the client.
     ``label_space`` is ``global`` for a C-way head or ``local`` for a head over the client's own
-    K_i classes.
+    K_i classes. ``vmappable`` says whether the vectorized backend can run ``client_update``.
     """
 
     model: SplitModel
@@ -42,6 +42,9 @@ class Algorithm:
     personal: ClassVar[tuple[str, ...]] = ()
     label_space: ClassVar[str] = "global"
     default_server_lr: ClassVar[float] = 1.0
+    #: False for an algorithm whose ``client_update`` cannot run under ``torch.func.vmap``; the
+    #: simulator then uses the loop backend for it.
+    vmappable: ClassVar[bool] = True
 
     # --- server side --------------------------------------------------------------------------
 

@@ -1,13 +1,23 @@
-"""Per-round client inputs (data and minibatch schedules) and the client state store."""
+"""Per-round client inputs (data and minibatch schedules) and the client state store.
+
+The round loop never builds per-sample Python objects. Every client's data is placed on the target
+device once (:class:`ClientPool`, rows of one concatenated tensor), and a round gathers its cohort
+as padded, stacked :class:`~pflego.types.ClientData` (:class:`Cohort`) with a handful of indexing
+operations. Private client state lives in a stacked host-side :class:`ClientStore`; only the cohort
+is copied to the device.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from pflego import tree
 from pflego.data import FederatedData
 from pflego.types import ClientData, ClientState
 
@@ -18,6 +28,17 @@ def seed_for(*keys: int) -> int:
         np.random.SeedSequence([int(k) for k in keys]).generate_state(2, np.uint64)[0]
         >> np.uint64(1)
     )
+
+
+def num_steps(
+    n: int, inner_steps: int, batch_size: int | None, local_epochs: float | None
+) -> tuple[int, int]:
+    """``(steps, width)`` of a client's schedule: how many local steps, and samples per step."""
+    if batch_size is None or batch_size >= n:
+        return (inner_steps if local_epochs is None else max(1, math.ceil(local_epochs))), n
+    per_epoch = math.ceil(n / batch_size)
+    steps = inner_steps if local_epochs is None else max(1, math.ceil(local_epochs * per_epoch))
+    return steps, batch_size
 
 
 def schedule(
@@ -34,20 +55,17 @@ def schedule(
     number of steps is ``inner_steps``, or ``ceil(local_epochs * n / batch_size)`` when
     ``local_epochs`` is set.
     """
-    if batch_size is None or batch_size >= n:
-        steps = inner_steps if local_epochs is None else max(1, math.ceil(local_epochs))
+    steps, width = num_steps(n, inner_steps, batch_size, local_epochs)
+    if width == n:
         return torch.arange(n).repeat(steps, 1), torch.ones(steps, n)
-    per_epoch = math.ceil(n / batch_size)
-    steps = inner_steps if local_epochs is None else max(1, math.ceil(local_epochs * per_epoch))
-    idx = np.zeros((steps, batch_size), np.int64)
-    mask = np.zeros((steps, batch_size), np.float32)
-    order = np.zeros(0, np.int64)
-    for s in range(steps):
-        if s % per_epoch == 0:
-            order = rng.permutation(n)
-        batch = order[(s % per_epoch) * batch_size : (s % per_epoch + 1) * batch_size]
-        idx[s, : len(batch)], mask[s, : len(batch)] = batch, 1.0
-    return torch.from_numpy(idx), torch.from_numpy(mask)
+    per_epoch = math.ceil(n / width)
+    epochs = math.ceil(steps / per_epoch)
+    slots = np.full((epochs, per_epoch * width), -1, np.int64)
+    for e in range(epochs):  # one permutation per epoch, drawn in order
+        slots[e, :n] = rng.permutation(n)
+    slots = slots.reshape(epochs * per_epoch, width)[:steps]
+    mask = slots >= 0
+    return torch.from_numpy(np.where(mask, slots, 0)), torch.from_numpy(mask.astype(np.float32))
 
 
 def client_data(
@@ -57,7 +75,7 @@ def client_data(
     batches: tuple[Tensor, Tensor],
     dtype: torch.dtype,
 ) -> ClientData:
-    """One client's training data for a round, as the algorithm sees it."""
+    """One client's training data for a round, as the algorithm sees it (unpadded)."""
     sl = data.train_slice(client)
     y = data.y_train_local[sl] if label_space == "local" else data.y_train[sl]
     x = data.inputs(data.x_train[sl]).to(dtype)
@@ -80,30 +98,205 @@ def label_mask(data: FederatedData, client: int, label_space: str, dtype: torch.
     return torch.ones(data.num_classes, dtype=dtype)
 
 
-class ClientStore:
-    """Every client's private state, stacked as ``[I, ...]`` tensors and allocated on first write.
+@dataclass(frozen=True)
+class Cohort:
+    """The sampled clients' round inputs: stacked, padded :class:`ClientData` and the true sizes.
 
-    Clients never sampled have no entry (``visited`` is False); the round loop initializes them.
+    ``data`` has a leading cohort axis ``C``: ``x [C, n_max, ...]``, ``batches [C, S_max, B_max]``.
+    Client ``c`` really has ``sizes[c]`` samples and runs ``steps[c]`` steps of ``widths[c]``
+    entries; its padding steps come first and do nothing.
+    """
+
+    clients: np.ndarray
+    data: ClientData
+    sizes: np.ndarray
+    steps: np.ndarray
+    widths: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    def client(self, c: int) -> ClientData:
+        """Client ``c``'s data with all padding removed (what the loop backend runs on)."""
+        d, n, s, b = self.data, int(self.sizes[c]), int(self.steps[c]), int(self.widths[c])
+        first = d.batches.shape[1] - s
+        return ClientData(
+            x=d.x[c, :n],
+            y=d.y[c, :n],
+            mask=d.mask[c, :n],
+            batches=d.batches[c, first:, :b],
+            batch_mask=d.batch_mask[c, first:, :b],
+            label_mask=d.label_mask[c],
+            num_samples=d.num_samples[c],
+        )
+
+
+@dataclass(frozen=True)
+class ClientPool:
+    """Every client's samples of one split, on the target device, as rows of one tensor.
+
+    Client ``i`` owns rows ``offsets[i]:offsets[i] + sizes[i]``.
+
+    Attributes:
+        x: Model inputs ``[N, ...]`` in the run's dtype.
+        y: Labels ``[N]`` in the algorithm's label space.
+        offsets: First row of each client ``[I]`` (device).
+        sizes: Samples per client ``[I]`` (host, for shapes).
+        label_masks: ``[I, K]``, which logits each client's head has.
+    """
+
+    x: Tensor
+    y: Tensor
+    offsets: Tensor
+    sizes: np.ndarray
+    label_masks: Tensor
+
+    @classmethod
+    def build(
+        cls,
+        data: FederatedData,
+        split: str,
+        label_space: str,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> ClientPool:
+        """Convert and move a split (``train`` or ``test``) to ``device`` once."""
+        local = label_space == "local"
+        x = getattr(data, f"x_{split}")
+        y = getattr(data, f"y_{split}_local" if local else f"y_{split}")
+        offsets = getattr(data, f"{split}_offsets")
+        if local:
+            masks = (data.client_classes >= 0).to(dtype)
+        else:
+            masks = torch.ones(data.num_clients, data.num_classes, dtype=dtype)
+        return cls(
+            x=data.inputs(x).to(device=device, dtype=dtype),
+            y=y.to(device),
+            offsets=offsets[:-1].to(device),
+            sizes=offsets.diff().numpy(),
+            label_masks=masks.to(device),
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    def rows(self, clients: np.ndarray) -> tuple[Tensor, Tensor]:
+        """Row indices ``[C, n_max]`` of the clients' samples (padding points at row 0) and mask."""
+        sizes = self.sizes[clients]
+        n_max = int(sizes.max()) if len(sizes) else 0
+        ids = torch.as_tensor(clients, device=self.device)
+        positions = torch.arange(n_max, device=self.device)
+        valid = positions < torch.as_tensor(sizes, device=self.device).unsqueeze(1)
+        rows = torch.where(valid, self.offsets[ids].unsqueeze(1) + positions, 0)
+        return rows, valid
+
+    def padded(self, clients: np.ndarray) -> tuple[Tensor, Tensor, Tensor]:
+        """The clients' inputs ``[C, n_max, ...]``, labels ``[C, n_max]`` and sample mask."""
+        rows, valid = self.rows(clients)
+        return self.x[rows], self.y[rows], valid.to(self.x.dtype)
+
+    def cohort(
+        self,
+        clients: np.ndarray,
+        inner_steps: int,
+        batch_size: int | None,
+        local_epochs: float | None,
+        rng_for: Callable[[int], np.random.Generator],
+    ) -> Cohort:
+        """The cohort's padded, stacked round inputs.
+
+        Args:
+            clients: Sampled client ids.
+            inner_steps: Local steps (when ``local_epochs`` is unset).
+            batch_size: Minibatch size, or ``None`` for full-batch steps.
+            local_epochs: Local epochs, overriding ``inner_steps``.
+            rng_for: The generator that shuffles client ``i``'s minibatches this round.
+        """
+        x, y, mask = self.padded(clients)
+        sizes = self.sizes[clients]
+        shapes = np.array(
+            [num_steps(int(n), inner_steps, batch_size, local_epochs) for n in sizes], np.int64
+        ).reshape(-1, 2)
+        steps, widths = shapes[:, 0], shapes[:, 1]
+        s_max, b_max = int(steps.max()), int(widths.max())
+        if batch_size is None:  # full batch: every step is the whole (padded) local set
+            idx = torch.arange(b_max, device=self.device).expand(len(clients), s_max, b_max)
+            bmask = mask[:, None, :].expand(-1, s_max, -1)
+        else:
+            idx_np = np.zeros((len(clients), s_max, b_max), np.int64)
+            bmask_np = np.zeros((len(clients), s_max, b_max), np.float32)
+            for c, (i, n) in enumerate(zip(clients, sizes)):
+                ci, cm = schedule(int(n), inner_steps, batch_size, local_epochs, rng_for(int(i)))
+                s, b = ci.shape
+                idx_np[c, s_max - s :, :b], bmask_np[c, s_max - s :, :b] = ci, cm
+            idx = torch.from_numpy(idx_np).to(self.device)
+            bmask = torch.from_numpy(bmask_np).to(self.device, x.dtype)
+        ids = torch.as_tensor(clients, device=self.device)
+        data = ClientData(
+            x=x,
+            y=y,
+            mask=mask,
+            batches=idx,
+            batch_mask=bmask,
+            label_mask=self.label_masks[ids],
+            num_samples=torch.as_tensor(sizes, dtype=x.dtype, device=self.device),
+        )
+        return Cohort(np.asarray(clients), data, sizes, steps, widths)
+
+
+class ClientStore:
+    """Every client's private state, stacked as ``[I, ...]`` host tensors.
+
+    Rows are allocated for all clients at the first write (a few KB per client for a personal
+    head), and filled on demand: ``initialized`` says which rows hold a state, ``visited`` which
+    clients have trained. Only a cohort's rows are copied to the compute device (:meth:`gather`)
+    and written back (:meth:`scatter`).
     """
 
     def __init__(self, num_clients: int) -> None:
         self.num_clients = num_clients
         self.tensors: dict[str, Tensor] = {}
+        self.initialized = torch.zeros(num_clients, dtype=torch.bool)
         self.visited = torch.zeros(num_clients, dtype=torch.bool)
+
+    def missing(self, clients: np.ndarray) -> np.ndarray:
+        """The clients among ``clients`` whose rows hold no state yet."""
+        return np.asarray(clients)[~self.initialized[torch.as_tensor(clients)].numpy()]
+
+    def write(self, clients: Sequence[int] | np.ndarray, states: ClientState) -> None:
+        """Store stacked states ``[C, ...]`` for ``clients`` (without marking them visited)."""
+        ids = torch.as_tensor(np.asarray(clients, dtype=np.int64))
+        for k, v in states.items():
+            if k not in self.tensors:
+                self.tensors[k] = torch.zeros((self.num_clients, *v.shape[1:]), dtype=v.dtype)
+            self.tensors[k][ids] = v.detach().to(self.tensors[k].device)
+        self.initialized[ids] = True
+
+    def gather(self, clients: np.ndarray, device: torch.device | str = "cpu") -> ClientState:
+        """The stacked states ``[C, ...]`` of ``clients`` on ``device`` (all must be initialized)."""
+        ids = torch.as_tensor(np.asarray(clients, dtype=np.int64))
+        return {k: v[ids].to(device) for k, v in self.tensors.items()}
+
+    def scatter(self, clients: np.ndarray, states: ClientState) -> None:
+        """Write the cohort's new states back and mark the clients visited."""
+        self.write(clients, states)
+        self.visited[torch.as_tensor(np.asarray(clients, dtype=np.int64))] = True
 
     def get(self, client: int) -> ClientState:
         return {k: v[client] for k, v in self.tensors.items()}
 
     def put(self, client: int, state: ClientState) -> None:
-        for k, v in state.items():
-            if k not in self.tensors:
-                self.tensors[k] = torch.zeros((self.num_clients, *v.shape), dtype=v.dtype)
-            self.tensors[k][client] = v.detach()
-        self.visited[client] = True
+        self.scatter(np.array([client]), tree.map_(lambda v: v.unsqueeze(0), state))
+
+    def nbytes(self) -> int:
+        """Host memory held by the stacked states."""
+        return sum(v.numel() * v.element_size() for v in self.tensors.values())
 
     def state_dict(self) -> dict[str, object]:
-        return {"tensors": self.tensors, "visited": self.visited}
+        return {"tensors": self.tensors, "visited": self.visited, "initialized": self.initialized}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.tensors = dict(state["tensors"])
         self.visited = state["visited"].clone()
+        self.initialized = state.get("initialized", state["visited"]).clone()

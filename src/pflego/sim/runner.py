@@ -12,16 +12,17 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from pflego import tree
 from pflego.algorithms import ALGORITHMS, Algorithm, build_algorithm
 from pflego.config import Config, load_config, read_yaml, to_dict
 from pflego.data import DATASETS, FederatedData, federate, load_dataset
 from pflego.errors import ConfigError
-from pflego.eval import evaluate
+from pflego.eval import evaluate_pools
 from pflego.history import History, RunDir
 from pflego.models import build_model
 from pflego.optim import make_optimizer
-from pflego.sim.backends import BACKENDS
-from pflego.sim.clients import ClientStore, client_data, schedule, seed_for
+from pflego.sim.backends import make_backend
+from pflego.sim.clients import ClientPool, ClientStore, Cohort, seed_for
 from pflego.types import ClientState, RoundContext, ServerState
 
 
@@ -81,18 +82,25 @@ def build_experiment(config: Config) -> Experiment:
 
 
 class Simulation:
-    """State of a simulated run and the round loop over it."""
+    """State of a simulated run and the round loop over it.
+
+    Every client's data is placed on ``config.device`` once; private states live in a stacked
+    host-side :class:`ClientStore` and only the cohort's are copied to the device each round.
+    """
 
     def __init__(self, experiment: Experiment, run_dir: RunDir | None) -> None:
         self.exp = experiment
         self.cfg = experiment.config
         self.run_dir = run_dir
-        self.backend = BACKENDS[self.cfg.backend]
+        self.device = torch.device(self.cfg.device)
         self.algorithm = experiment.algorithm
-        self.server: ServerState = self.algorithm.init_server(
-            self.algorithm.init_params(self.cfg.seed, experiment.dtype)
-        )
+        self.backend = make_backend(self.cfg.backend, self.algorithm, self.cfg.chunk_size)
+        params = self.algorithm.init_params(self.cfg.seed, experiment.dtype)
+        self.server: ServerState = self.algorithm.init_server(tree.to(params, self.device))
         self.store = ClientStore(experiment.data.num_clients)
+        space, dtype = self.algorithm.label_space, experiment.dtype
+        self.train_pool = ClientPool.build(experiment.data, "train", space, dtype, self.device)
+        self.test_pool = ClientPool.build(experiment.data, "test", space, dtype, self.device)
         self.records: list[dict[str, Any]] = []
         self.next_round = 0
         self.seconds = 0.0
@@ -121,34 +129,50 @@ class Simulation:
             )
         return np.flatnonzero(rng.random(num) < self.cfg.participation)
 
+    def init_state(self, client: int, downlink, ctx: RoundContext) -> ClientState:
+        """A client's first-visit state (seeded by the client id, so every backend agrees)."""
+        generator = torch.Generator().manual_seed(seed_for(self.cfg.seed, 3, client))
+        return self.algorithm.init_client(tree.to(downlink, "cpu"), generator, ctx)
+
     def client_state(self, client: int, downlink, ctx: RoundContext) -> ClientState:
         """A client's stored state, or its first-visit state (seeded by the client id)."""
-        if self.store.visited[client]:
+        if self.store.initialized[client]:
             return self.store.get(client)
-        generator = torch.Generator().manual_seed(seed_for(self.cfg.seed, 3, client))
-        return self.algorithm.init_client(downlink, generator, ctx)
+        return self.init_state(client, downlink, ctx)
+
+    def states(self, clients: np.ndarray, downlink, ctx: RoundContext) -> ClientState:
+        """The stacked states of ``clients`` on the device, initializing first visits in the store."""
+        missing = self.store.missing(clients)
+        if len(missing):
+            self.store.write(
+                missing, tree.stack(self.init_state(int(i), downlink, ctx) for i in missing)
+            )
+        return self.store.gather(clients, self.device)
+
+    def round_inputs(self, t: int, clients: np.ndarray) -> Cohort:
+        """The cohort's padded round inputs; minibatches are shuffled by (seed, round, client)."""
+        cfg = self.cfg
+        return self.train_pool.cohort(
+            clients,
+            cfg.inner_steps,
+            cfg.batch_size,
+            cfg.local_epochs,
+            lambda i: np.random.default_rng(seed_for(cfg.seed, 2, t, i)),
+        )
 
     # --- one round --------------------------------------------------------------------------
 
     def run_round(self, t: int) -> None:
-        cfg, data = self.cfg, self.exp.data
         ctx = self.context(t)
         cohort = self.cohort(t)
         if len(cohort) == 0:  # Bernoulli sampling drew nobody: the stochastic gradient is zero
             return
         downlink = self.algorithm.downlink(self.server, ctx)
-        states = [self.client_state(int(i), downlink, ctx) for i in cohort]
-        datas = []
-        for i in cohort:
-            n = int(data.train_sizes[i])
-            rng = np.random.default_rng(seed_for(cfg.seed, 2, t, int(i)))
-            batches = schedule(n, cfg.inner_steps, cfg.batch_size, cfg.local_epochs, rng)
-            datas.append(
-                client_data(data, int(i), self.algorithm.label_space, batches, self.exp.dtype)
-            )
-        out, new_states = self.backend(self.algorithm, downlink, states, datas, ctx)
-        for i, state in zip(cohort, new_states):
-            self.store.put(int(i), state)
+        states = self.states(cohort, downlink, ctx)
+        out, new_states = self.backend(
+            self.algorithm, downlink, states, self.round_inputs(t, cohort), ctx
+        )
+        self.store.scatter(cohort, new_states)
         self.server = self.algorithm.server_update(
             self.server, self.algorithm.aggregate(out, ctx), ctx
         )
@@ -156,12 +180,14 @@ class Simulation:
     def evaluate(self, completed: int) -> dict[str, Any]:
         ctx = self.context(completed)
         downlink = self.algorithm.downlink(self.server, ctx)
-        summary, rows = evaluate(
+        states = self.states(np.arange(self.exp.data.num_clients), downlink, ctx)
+        summary, rows = evaluate_pools(
             self.algorithm,
             downlink,
-            lambda i: self.client_state(i, downlink, ctx),
-            self.exp.data,
-            self.exp.dtype,
+            states,
+            self.train_pool,
+            self.test_pool,
+            self.cfg.chunk_size,
         )
         record = {
             "round": completed,
@@ -196,11 +222,8 @@ class Simulation:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.next_round, self.server, self.records = (
-            state["next_round"],
-            state["server"],
-            state["records"],
-        )
+        self.next_round, self.records = state["next_round"], state["records"]
+        self.server = {k: tree.to(v, self.device) for k, v in state["server"].items()}
         self.seconds = state["seconds"]
         self.store.load_state_dict(state["store"])
 
