@@ -140,13 +140,17 @@ class Simulation:
             return self.store.get(client)
         return self.init_state(client, downlink, ctx)
 
-    def states(self, clients: np.ndarray, downlink, ctx: RoundContext) -> ClientState:
-        """The stacked states of ``clients`` on the device, initializing first visits in the store."""
+    def initialize(self, clients: np.ndarray, downlink, ctx: RoundContext) -> None:
+        """Write the first-visit states of those ``clients`` that have none into the store."""
         missing = self.store.missing(clients)
         if len(missing):
             self.store.write(
                 missing, tree.stack(self.init_state(int(i), downlink, ctx) for i in missing)
             )
+
+    def states(self, clients: np.ndarray, downlink, ctx: RoundContext) -> ClientState:
+        """The stacked states of ``clients`` on the device, initializing first visits in the store."""
+        self.initialize(clients, downlink, ctx)
         return self.store.gather(clients, self.device)
 
     def round_inputs(self, t: int, clients: np.ndarray) -> Cohort:
@@ -180,11 +184,11 @@ class Simulation:
     def evaluate(self, completed: int) -> dict[str, Any]:
         ctx = self.context(completed)
         downlink = self.algorithm.downlink(self.server, ctx)
-        states = self.states(np.arange(self.exp.data.num_clients), downlink, ctx)
-        summary, rows = evaluate_pools(
+        self.initialize(np.arange(self.exp.data.num_clients), downlink, ctx)
+        summary, rows = evaluate_pools(  # moves the states to the device chunk by chunk
             self.algorithm,
             downlink,
-            states,
+            self.store.tensors,
             self.train_pool,
             self.test_pool,
             self.cfg.chunk_size,
