@@ -144,8 +144,9 @@ class Simulation:
         """Write the first-visit states of those ``clients`` that have none into the store."""
         missing = self.store.missing(clients)
         if len(missing):
+            host = tree.to(downlink, "cpu")  # the store lives in host memory
             self.store.write(
-                missing, tree.stack(self.init_state(int(i), downlink, ctx) for i in missing)
+                missing, tree.stack(self.init_state(int(i), host, ctx) for i in missing)
             )
 
     def states(self, clients: np.ndarray, downlink, ctx: RoundContext) -> ClientState:
