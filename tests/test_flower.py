@@ -42,6 +42,7 @@ SMALL = dict(
     eval_every=2,
     average_last=0,
     seed=3,
+    backend="loop",  # Flower trains one client at a time, as the reference loop does: bit-equal
 )
 
 
