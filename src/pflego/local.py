@@ -8,8 +8,7 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value
 
-from pflego import tree
-from pflego.optim import SGD, Optimizer, OptState
+from pflego.optim import Optimizer, OptState
 from pflego.tree import Params
 from pflego.types import ClientData
 
@@ -57,28 +56,15 @@ def train_steps(
         Trained parameters, optimizer state, and the mean loss over the real steps.
     """
     step_and_loss = grad_and_value(loss_fn)
-    plain_sgd = type(optimizer) is SGD and not optimizer.weight_decay
+    # A schedule as wide as the local set is full batch: its rows are arange(n) wherever the mask
+    # is 1, so the whole (padded) set is used as is instead of being gathered every step.
+    whole_set = data.batches.shape[-1] == data.x.shape[0]
     total, count = torch.zeros(()), torch.zeros(())
     for idx, bmask in zip(data.batches[steps], data.batch_mask[steps]):
-        grads, loss = step_and_loss(params, data.x[idx], data.y[idx], bmask)
+        x, y = (data.x, data.y) if whole_set else (data.x[idx], data.y[idx])
+        grads, loss = step_and_loss(params, x, y, bmask)
         active = bmask.sum() > 0
-        if plain_sgd:
-            params = masked_sgd_step(params, grads, lr, active)
-        else:
-            new_params, new_state = optimizer.update(params, grads, opt_state, lr)
-            params = tree.where(active, new_params, params)
-            opt_state = tree.where(active, new_state, opt_state)
+        params, opt_state = optimizer.masked_update(params, grads, opt_state, lr, active)
         total = total + torch.where(active, loss.detach(), 0.0)
         count = count + active.to(count.dtype)
     return params, opt_state, total / count.clamp(min=1)
-
-
-def masked_sgd_step(params: Params, grads: Params, lr: float | Tensor, active: Tensor) -> Params:
-    """``params - lr * grads`` where ``active``, else ``params`` unchanged, in one fused op per leaf.
-
-    Equal to ``SGD().update`` followed by ``tree.where``: an inactive (all-padding) step has zero
-    gradients and step size 0. Fusing the mask into the step size saves two passes over every
-    parameter per step, which dominate minibatch steps of a whole cohort under vmap.
-    """
-    step = {dtype: active.to(dtype) * lr for dtype in {p.dtype for p in params.values()}}
-    return {k: torch.addcmul(p, step[p.dtype], grads[k], value=-1) for k, p in params.items()}

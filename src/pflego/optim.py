@@ -7,7 +7,6 @@ the same numbers come out whether a client runs in the loop backend, under vmap,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -19,18 +18,30 @@ from pflego.tree import Params
 OptState = dict[str, Tensor]
 
 
-class Optimizer(Protocol):
+class Optimizer:
     """The interface every functional optimizer implements."""
 
-    def init(self, params: Params) -> OptState: ...
+    def init(self, params: Params) -> OptState:
+        raise NotImplementedError
 
     def update(
         self, params: Params, grads: Params, state: OptState, lr: float | Tensor
-    ) -> tuple[Params, OptState]: ...
+    ) -> tuple[Params, OptState]:
+        raise NotImplementedError
+
+    def masked_update(
+        self, params: Params, grads: Params, state: OptState, lr: float | Tensor, active: Tensor
+    ) -> tuple[Params, OptState]:
+        """``update`` where the scalar boolean ``active`` holds, else everything unchanged.
+
+        This is how padding steps of ragged clients become no-ops under vmap.
+        """
+        new_params, new_state = self.update(params, grads, state, lr)
+        return tree.where(active, new_params, params), tree.where(active, new_state, state)
 
 
 @dataclass(frozen=True)
-class SGD:
+class SGD(Optimizer):
     """Plain gradient descent, optionally with L2 weight decay."""
 
     weight_decay: float = 0.0
@@ -43,9 +54,18 @@ class SGD:
             grads = tree.axpy(self.weight_decay, params, grads)
         return tree.axpy(-lr, grads, params), state
 
+    def masked_update(self, params, grads, state, lr, active):
+        # One fused op per leaf: a zero step size makes an inactive step a no-op (SGD is stateless).
+        if self.weight_decay:
+            grads = tree.axpy(self.weight_decay, params, grads)
+        steps = {dtype: active.to(dtype) * lr for dtype in {p.dtype for p in params.values()}}
+        return {
+            k: torch.addcmul(p, steps[p.dtype], grads[k], value=-1) for k, p in params.items()
+        }, state
+
 
 @dataclass(frozen=True)
-class Momentum:
+class Momentum(Optimizer):
     """Heavy-ball momentum as in ``torch.optim.SGD(momentum=m)``.
 
     The first step copies the gradient into the buffer; later steps use ``m * buf + g``.
@@ -73,7 +93,7 @@ class Momentum:
 
 
 @dataclass(frozen=True)
-class Adam:
+class Adam(Optimizer):
     """Adam as in ``torch.optim.Adam`` (bias-corrected moments, eps outside the square root)."""
 
     beta1: float = 0.9

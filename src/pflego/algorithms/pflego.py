@@ -33,14 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from torch.func import grad_and_value
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
-from pflego.local import masked_cross_entropy, train_steps
-from pflego.models import head_logits
+from pflego.local import train_steps
 from pflego.types import ClientData, ClientOut, RoundContext
 
 
@@ -61,20 +59,11 @@ class PFLEGO(Algorithm):
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
         body, head = downlink, state
         features = self.model.features(body, data.x).detach()  # body forward 1 of 2
-        if data.batches.shape[-1] >= data.x.shape[0]:
-            # Full batch: score all cached features and pick the batch's rows of the logits, so no
-            # step copies the [n, M] features (the schedule then indexes rows of ``arange(n)``).
-            head_data = data._replace(x=torch.arange(data.x.shape[0], device=data.x.device))
-            head_loss = lambda h, rows, y, m: masked_cross_entropy(  # noqa: E731
-                head_logits(h, features)[rows], y, m, data.label_mask
-            )
-        else:
-            head_data = data._replace(x=features)
-            head_loss = lambda h, f, y, m: self.head_loss(h, f, y, m, data.label_mask)  # noqa: E731
+        head_loss = lambda h, f, y, m: self.head_loss(h, f, y, m, data.label_mask)  # noqa: E731
         head, _, _ = train_steps(
             head_loss,
             head,
-            head_data,
+            data._replace(x=features),
             self.client_optimizer,
             self.client_optimizer.init(head),
             ctx.client_lr,

@@ -109,11 +109,9 @@ class Simulation:
 
     def context(self, t: int) -> RoundContext:
         cfg, data = self.cfg, self.exp.data
-        expected = (
-            max(1, round(cfg.participation * cfg.clients))
-            if cfg.sampling == "fixed"
-            else cfg.participation * cfg.clients
-        )
+        expected = cfg.participation * data.num_clients  # the dataset may fix the client count
+        if cfg.sampling == "fixed":
+            expected = max(1, round(expected))
         server_lr = cfg.server_lr if cfg.server_lr is not None else self.algorithm.default_server_lr
         return RoundContext(
             t, data.num_clients, expected, data.total_train, cfg.client_lr, server_lr
