@@ -301,7 +301,11 @@ def _federate_pachinko(
             f"the pachinko partition needs coarse and fine labels, which {data.name} lacks; "
             "use cifar100 or cifar100-coarse"
         )
-    parent = P.coarse_of_fine(fine, coarse)
+    fine_all, coarse_all = fine, coarse
+    if data.x_test is not None:
+        fine_all = np.concatenate([fine, data.extra["fine_test"]])
+        coarse_all = np.concatenate([coarse, data.extra["coarse_test"]])
+    parent = P.coarse_of_fine(fine_all, coarse_all)
     coarse_p, fine_p = P.pachinko_distributions(parent, num_clients, alpha, beta, rng)
 
     def allocate(labels: np.ndarray) -> list[np.ndarray]:

@@ -195,9 +195,12 @@ def split_fraction(
 # --- pachinko allocation (FedEM, CIFAR-100) ------------------------------------------------------
 
 
-def coarse_of_fine(fine: np.ndarray, coarse: np.ndarray) -> np.ndarray:
-    """The coarse label of every fine label (each fine label must belong to exactly one coarse one)."""
-    num_fine = int(fine.max()) + 1
+def coarse_of_fine(fine: np.ndarray, coarse: np.ndarray, num_fine: int | None = None) -> np.ndarray:
+    """The coarse label of every fine label ``0..num_fine-1`` (-1 for fine labels never seen).
+
+    Each fine label must belong to exactly one coarse label.
+    """
+    num_fine = int(fine.max()) + 1 if num_fine is None else num_fine
     parent = np.full(num_fine, -1, dtype=np.int64)
     pairs = np.unique(np.stack([fine, coarse], 1), axis=0)
     if len(np.unique(pairs[:, 0])) != len(pairs):
@@ -249,6 +252,7 @@ def pachinko_counts(
     """
     remaining = available.astype(np.int64).copy()
     num_coarse = coarse_p.shape[1]
+    parent = np.where(parent >= 0, parent, 0)  # fine labels absent from the data: never drawn
     counts = np.zeros((len(sizes), len(parent)), dtype=np.int64)
     for i, n in enumerate(sizes):
         need = int(min(n, remaining.sum()))
