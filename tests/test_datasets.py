@@ -457,3 +457,13 @@ def test_mnist5k_uses_the_cache(offline_cache, monkeypatch):
     np.testing.assert_array_equal(first.x_train, second.x_train)
     assert first.x_train.shape == (5000, 1, 28, 28)
     assert any(name.startswith("mnist5k-") for name in cache_files(offline_cache))
+
+
+def test_emnist_extracted_folder(tmp_path):
+    arrays = mnist_arrays()
+    archive = write_emnist_zip(tmp_path / "archive" / "gzip.zip", "balanced", arrays)
+    with zipfile.ZipFile(archive) as z:
+        z.extractall(tmp_path / "emnist")
+    data = load_dataset("emnist-balanced", tmp_path)
+    np.testing.assert_array_equal(data.x_test[:, 0], arrays["x_test"])
+    assert data.num_classes == 47
