@@ -45,7 +45,7 @@ def test_omniglot_real():
     data = load_dataset("omniglot", need("omniglot"))
     assert data.num_classes == 1623
     assert data.x_train.shape == (97380, 1, 28, 28) and data.x_test.shape == (32460, 1, 28, 28)
-    fd = federate(data, 50)  # auto -> natural: one alphabet per client
+    fd = federate(data, 50, "auto")  # natural: one alphabet per client
     rows = fd.summary()
     assert len(rows) == 50 and max(len(r["classes"]) for r in rows) == 55
     assert all(r["train"] == 60 * len(r["classes"]) for r in rows)
