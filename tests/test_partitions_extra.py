@@ -224,3 +224,16 @@ def test_emnist_scale_partition_is_fast():
     elapsed = time.perf_counter() - start
     assert sum(len(p) for p in parts) == len(labels)
     assert elapsed < 20
+
+
+@pytest.mark.parametrize("partition", ["classes", "dirichlet", "natural"])
+def test_local_labels_rank_within_client_classes(partition):
+    data = grouped(400, 6, 2, True) if partition == "natural" else toy(True)
+    fd = federate(data, 6, partition, "medium", 0.3)
+    for i in range(fd.num_clients):
+        own = fd.client_classes[i][fd.client_classes[i] >= 0]
+        for y, local, sl in (
+            (fd.y_train, fd.y_train_local, fd.train_slice(i)),
+            (fd.y_test, fd.y_test_local, fd.test_slice(i)),
+        ):
+            assert (own[local[sl]] == y[sl]).all()
