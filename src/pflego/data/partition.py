@@ -12,6 +12,8 @@ import numpy as np
 
 from pflego.errors import ConfigError
 
+PARTITIONS = ("auto", "classes", "dirichlet", "iid", "pachinko", "natural")
+
 PERSONALIZATION_PRESETS = {"high": lambda c: 2, "medium": lambda c: c // 2, "none": lambda c: c}
 
 
@@ -77,7 +79,7 @@ def class_shares(
         if not alpha > 0:
             raise ConfigError(f"alpha={alpha} must be positive for the dirichlet partition")
         return rng.dirichlet(np.full(num_clients, float(alpha)), size=num_classes).T
-    raise ConfigError(f"unknown partition {kind!r}; choose one of classes, dirichlet, iid")
+    raise ConfigError(f"unknown partition {kind!r}; choose one of {', '.join(PARTITIONS)}")
 
 
 def _largest_remainder(shares: np.ndarray, total: int, rng: np.random.Generator) -> np.ndarray:
@@ -148,3 +150,148 @@ def split_train_test(
         test.append(np.sort(p[:n_test]))
         train.append(np.sort(p[n_test:]))
     return train, test
+
+
+# --- natural groups ------------------------------------------------------------------------------
+
+
+def select_groups(
+    groups: np.ndarray, num_clients: int | None, rng: np.random.Generator
+) -> np.ndarray:
+    """The natural groups that become clients, in increasing id order.
+
+    All groups when ``num_clients`` is ``None`` or equals their number; otherwise a uniformly random
+    subset of ``num_clients`` of them (seeded), as FedEM samples FEMNIST writers.
+    """
+    present = np.unique(groups)
+    if num_clients is None or num_clients == len(present):
+        return present
+    if num_clients > len(present):
+        raise ConfigError(
+            f"clients={num_clients} but the dataset has only {len(present)} natural clients "
+            f"(writers / roles / alphabets); set clients to at most {len(present)}"
+        )
+    return np.sort(rng.choice(present, num_clients, replace=False))
+
+
+def group_parts(groups: np.ndarray, selected: np.ndarray) -> list[np.ndarray]:
+    """For each selected group, the sorted indices of its samples (one stable sort, no loops over samples)."""
+    order = np.argsort(groups, kind="stable")
+    sorted_groups = groups[order]
+    lo = np.searchsorted(sorted_groups, selected, side="left")
+    hi = np.searchsorted(sorted_groups, selected, side="right")
+    return [order[a:b] for a, b in zip(lo, hi)]
+
+
+def split_fraction(
+    parts: list[np.ndarray], fraction: float, rng: np.random.Generator
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Split each part at random into ``(1 - fraction, fraction)``; nothing is split off at 0."""
+    if fraction <= 0:
+        return parts, [np.zeros(0, np.int64) for _ in parts]
+    return split_train_test(parts, fraction, rng)
+
+
+# --- pachinko allocation (FedEM, CIFAR-100) ------------------------------------------------------
+
+
+def coarse_of_fine(fine: np.ndarray, coarse: np.ndarray, num_fine: int | None = None) -> np.ndarray:
+    """The coarse label of every fine label ``0..num_fine-1`` (-1 for fine labels never seen).
+
+    Each fine label must belong to exactly one coarse label.
+    """
+    num_fine = int(fine.max()) + 1 if num_fine is None else num_fine
+    parent = np.full(num_fine, -1, dtype=np.int64)
+    pairs = np.unique(np.stack([fine, coarse], 1), axis=0)
+    if len(np.unique(pairs[:, 0])) != len(pairs):
+        raise ConfigError("the pachinko partition needs each fine label inside one coarse label")
+    parent[pairs[:, 0]] = pairs[:, 1]
+    return parent
+
+
+def pachinko_distributions(
+    parent: np.ndarray, num_clients: int, alpha: float, beta: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per client ``Dirichlet(alpha)`` over coarse labels and per (client, coarse) ``Dirichlet(beta)``
+    over that coarse label's fine labels.
+
+    Returns:
+        ``coarse_p [I, n_coarse]`` and ``fine_p [I, n_fine]``, where ``fine_p[i]`` sums to 1 over the
+        fine labels of each coarse label.
+    """
+    if not (alpha > 0 and beta > 0):
+        raise ConfigError(f"pachinko needs alpha > 0 and beta > 0 (got {alpha}, {beta})")
+    num_coarse = int(parent.max()) + 1
+    coarse_p = rng.dirichlet(np.full(num_coarse, float(alpha)), size=num_clients)
+    fine_p = np.zeros((num_clients, len(parent)))
+    for c in range(num_coarse):
+        members = np.flatnonzero(parent == c)
+        if len(members):
+            fine_p[:, members] = rng.dirichlet(np.full(len(members), float(beta)), size=num_clients)
+    return coarse_p, fine_p
+
+
+def pachinko_counts(
+    available: np.ndarray,
+    parent: np.ndarray,
+    coarse_p: np.ndarray,
+    fine_p: np.ndarray,
+    sizes: np.ndarray,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """How many samples of each fine label each client draws, without replacement.
+
+    Clients draw in turn (as FedEM does). A client draws its ``n_i`` samples in batches from
+    ``p(f) = p(coarse(f)) p(f | coarse(f))``, where exhausted fine labels are removed and their
+    coarse label's fine distribution renormalized, and exhausted coarse labels removed and the
+    coarse distribution renormalized, so no label is over-drawn and the loop ends after a few
+    batches.
+
+    Returns:
+        ``[I, n_fine]`` integer counts; column sums never exceed ``available``.
+    """
+    remaining = available.astype(np.int64).copy()
+    num_coarse = coarse_p.shape[1]
+    parent = np.where(parent >= 0, parent, 0)  # fine labels absent from the data: never drawn
+    counts = np.zeros((len(sizes), len(parent)), dtype=np.int64)
+    for i, n in enumerate(sizes):
+        need = int(min(n, remaining.sum()))
+        while need > 0:
+            open_fine = remaining > 0
+            fine = fine_p[i] * open_fine
+            fine_mass = np.bincount(parent, weights=fine, minlength=num_coarse)
+            coarse = coarse_p[i] * (fine_mass > 0)
+            if coarse.sum() <= 0:
+                p = open_fine / open_fine.sum()  # underflow: fall back to uniform over what is left
+            else:
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    within = np.where(fine_mass[parent] > 0, fine / fine_mass[parent], 0.0)
+                p = coarse[parent] / coarse.sum() * within
+                p = p / p.sum()
+            draw = np.minimum(rng.multinomial(need, p), remaining)
+            counts[i] += draw
+            remaining -= draw
+            need -= int(draw.sum())
+    return counts
+
+
+def deal_counts(
+    labels: np.ndarray, counts: np.ndarray, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Hand out shuffled samples of each label: client ``i`` gets ``counts[i, c]`` samples of ``c``."""
+    parts: list[list[np.ndarray]] = [[] for _ in range(counts.shape[0])]
+    for c in range(counts.shape[1]):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        for i, chunk in enumerate(
+            np.split(idx[: counts[:, c].sum()], np.cumsum(counts[:, c])[:-1])
+        ):
+            if len(chunk):
+                parts[i].append(chunk)
+    return [np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64) for p in parts]
+
+
+def even_sizes(total: int, num_clients: int) -> np.ndarray:
+    """``total`` split into ``num_clients`` sizes differing by at most one."""
+    return np.full(num_clients, total // num_clients) + (
+        np.arange(num_clients) < total % num_clients
+    )

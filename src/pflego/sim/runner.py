@@ -67,6 +67,8 @@ def build_experiment(config: Config) -> Experiment:
         config.min_client_size,
         config.test_fraction,
         config.seed,
+        val_fraction=config.val_fraction,
+        beta=config.pachinko_beta,
     )
     model_name = DATASETS[config.dataset].default_model if config.model == "auto" else config.model
     model = build_model(model_name, data.input_shape, data.num_classes, data.max_classes)

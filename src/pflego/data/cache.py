@@ -1,0 +1,125 @@
+"""A cache of decoded dataset arrays, so that the second load of a dataset takes about a second.
+
+Decoded arrays are saved as an uncompressed ``.npz`` in ``$PFLEGO_CACHE``, by default
+``.pflego-cache`` inside the default data directory (``~/.cache/pflego/data/.pflego-cache``). The
+cache never goes into a data directory given with ``--data-dir``: such a folder may be shared or
+read-only. The file name carries the dataset name, the decoder version, a hash of the source paths
+and a fingerprint of the source files (size, modification time), so replacing a source file or
+changing the decoder invalidates the entry, and data directories do not collide. Entries are written atomically: arrays go to a temporary file in the same folder that is
+renamed over the final name only once complete, so an interrupted or failed decode never leaves a
+half-written entry, and a decode that fails (corrupt input) leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("pflego.data")
+
+CACHE_DIRNAME = ".pflego-cache"
+
+
+def fallback_cache_dir() -> Path:
+    """``$PFLEGO_CACHE`` if set, else ``.pflego-cache`` inside the default data directory."""
+    from pflego.data.datasets import default_data_dir
+
+    env = os.environ.get("PFLEGO_CACHE")
+    return Path(env) if env else default_data_dir() / CACHE_DIRNAME
+
+
+def cache_dir() -> Path | None:
+    """The cache folder, created if needed; ``None`` when it cannot be written."""
+    path = fallback_cache_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError:
+        return None
+    return path
+
+
+def _sha1(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def source_key(sources: Iterable[Path]) -> str:
+    """A short hash of the sources' resolved paths."""
+    return _sha1("\n".join(sorted(str(Path(s).resolve()) for s in sources)))
+
+
+def fingerprint(sources: Iterable[Path]) -> str:
+    """A short hash of the sources' paths, sizes and modification times (folders: their files)."""
+    lines = []
+    for source in sorted(Path(s).resolve() for s in sources):
+        files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
+        for f in files:
+            st = f.stat()
+            lines.append(f"{f}\0{st.st_size}\0{st.st_mtime_ns}")
+    return _sha1("\n".join(lines))
+
+
+def save_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write ``arrays`` to ``path`` through a temporary file and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _load_npz(path: Path) -> dict[str, np.ndarray] | None:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:  # damaged: redo
+        log.warning("ignoring unreadable cache entry %s (%s)", path, exc)
+        return None
+
+
+def cached_arrays(
+    name: str,
+    version: int,
+    sources: list[Path],
+    decode: Callable[[], dict[str, np.ndarray]],
+) -> dict[str, np.ndarray]:
+    """The decoded arrays of a dataset, from the cache when it holds them, else from ``decode()``.
+
+    Args:
+        name: Dataset (and variant) name, part of the cache file name.
+        version: Decoder version; bump it when the decoded form changes.
+        sources: The files or folders the arrays come from (their fingerprint keys the entry).
+        decode: Reads the sources; may raise ``DataError``, in which case nothing is written.
+    """
+    directory = cache_dir()
+    if directory is None:
+        log.info("no writable cache folder for %s; decoding without a cache", name)
+        return decode()
+    stem = f"{name}-v{version}-{source_key(sources)}"
+    path = directory / f"{stem}-{fingerprint(sources)}.npz"
+    if path.is_file():
+        arrays = _load_npz(path)
+        if arrays is not None:
+            return arrays
+    arrays = decode()
+    save_npz_atomic(path, arrays)
+    for stale in directory.glob(f"{stem}-*.npz"):  # entries of replaced source files
+        if stale != path:
+            stale.unlink(missing_ok=True)
+    log.info("cached decoded %s in %s", name, path)
+    return arrays

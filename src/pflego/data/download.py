@@ -1,0 +1,204 @@
+"""Official download locations and checksums, and a verified downloader.
+
+Files are fetched only when they are missing, the loader asks for them, and downloads are not
+switched off (``PFLEGO_NO_DOWNLOAD=1``). A file is streamed into a temporary file next to its
+destination while its checksum is computed, and renamed into place only when the checksum matches
+the published one, so a failed or interrupted download never leaves a partial file behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pflego.errors import DataError
+
+log = logging.getLogger("pflego.data")
+
+NO_DOWNLOAD_ENV = "PFLEGO_NO_DOWNLOAD"
+TIMEOUT_S = 30.0
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Remote:
+    """A file published at one or more URLs with a published checksum.
+
+    Attributes:
+        filename: Name of the file on disk.
+        urls: Official location first, then mirrors.
+        checksum: ``"md5:<hex>"`` or ``"sha256:<hex>"``, as published.
+    """
+
+    filename: str
+    urls: tuple[str, ...]
+    checksum: str
+
+
+def _md5s(base_urls: tuple[str, ...], files: dict[str, str]) -> list[Remote]:
+    return [
+        Remote(name, tuple(base + name for base in base_urls), f"md5:{digest}")
+        for name, digest in files.items()
+    ]
+
+
+_MNIST_BASES = (
+    "https://ossci-datasets.s3.amazonaws.com/mnist/",
+    "http://yann.lecun.com/exdb/mnist/",
+)
+_FMNIST_BASES = ("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",)
+_OMNIGLOT_BASES = ("https://raw.githubusercontent.com/brendenlake/omniglot/master/python/",)
+
+REMOTES: dict[str, list[Remote]] = {
+    "mnist": _md5s(
+        _MNIST_BASES,
+        {
+            "train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
+            "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432",
+            "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
+            "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
+        },
+    ),
+    "fmnist": _md5s(
+        _FMNIST_BASES,
+        {
+            "train-images-idx3-ubyte.gz": "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
+            "train-labels-idx1-ubyte.gz": "25c81989df183df01b3e8a0aad5dffbe",
+            "t10k-images-idx3-ubyte.gz": "bef4ecab320f06d8554ea6380940ec79",
+            "t10k-labels-idx1-ubyte.gz": "bb300cfdad3c16e7a12a480ee83cd310",
+        },
+    ),
+    "emnist": [
+        Remote(
+            "gzip.zip",
+            (
+                "https://biometrics.nist.gov/cs_links/EMNIST/gzip.zip",
+                "http://www.itl.nist.gov/iaui/vip/cs_links/EMNIST/gzip.zip",
+            ),
+            "md5:58c8d27c78d21e728a6bc7b3cc06412e",
+        )
+    ],
+    "cifar10": [
+        Remote(
+            "cifar-10-python.tar.gz",
+            ("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",),
+            "md5:c58f30108f718f92721af3b95e74349a",
+        )
+    ],
+    "cifar100": [
+        Remote(
+            "cifar-100-python.tar.gz",
+            ("https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",),
+            "md5:eb9058c3a382ffc7106e4002c42a8d85",
+        )
+    ],
+    "omniglot": _md5s(
+        _OMNIGLOT_BASES,
+        {
+            "images_background.zip": "68d2efa1b9178cc56df9314c21c6e718",
+            "images_evaluation.zip": "6b91aef0f799c5bb55b94e3f2daec811",
+        },
+    ),
+}
+
+
+def downloads_enabled() -> bool:
+    """False when ``PFLEGO_NO_DOWNLOAD`` is set to anything but ``0`` / empty."""
+    return os.environ.get(NO_DOWNLOAD_ENV, "") in ("", "0")
+
+
+def _hasher(checksum: str) -> tuple[Any, str]:
+    algo, _, digest = checksum.partition(":")
+    if algo not in ("md5", "sha256") or not digest:
+        raise ValueError(f"bad checksum spec {checksum!r}")
+    return hashlib.new(algo), digest.lower()
+
+
+def file_checksum_ok(path: Path, checksum: str) -> bool:
+    """Whether the file at ``path`` has the published checksum."""
+    h, digest = _hasher(checksum)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(CHUNK), b""):
+            h.update(block)
+    return h.hexdigest() == digest
+
+
+def _fetch_url(url: str, dest: Path, checksum: str) -> None:
+    h, digest = _hasher(checksum)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}-", suffix=".part", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=TIMEOUT_S) as resp:
+            for block in iter(lambda: resp.read(CHUNK), b""):
+                h.update(block)
+                out.write(block)
+        if h.hexdigest() != digest:
+            raise DataError(
+                f"download of {url} does not match its published checksum "
+                f"({checksum.split(':')[0]} {h.hexdigest()} != {digest}); try again later or put the "
+                f"official file at {dest}"
+            )
+        os.replace(tmp, dest)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def fetch(remote: Remote, folder: Path) -> Path:
+    """Download ``remote`` into ``folder``, trying its URLs in order; verify its checksum.
+
+    Raises:
+        DataError: Downloads are off, every URL failed, or the checksum does not match.
+    """
+    dest = Path(folder) / remote.filename
+    if not downloads_enabled():
+        raise DataError(
+            f"downloads are off ({NO_DOWNLOAD_ENV}=1); put {remote.filename} in {folder}"
+        )
+    created = [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"cannot create {folder} ({exc}); pass a writable --data-dir") from None
+    errors = []
+    try:
+        for url in remote.urls:
+            log.info("downloading %s", url)
+            try:
+                _fetch_url(url, dest, remote.checksum)
+                return dest
+            except (urllib.error.URLError, OSError, TimeoutError) as exc:
+                errors.append(f"{url}: {getattr(exc, 'reason', exc)}")
+        raise DataError(f"cannot download {remote.filename} ({'; '.join(errors)})")
+    finally:
+        for path in created:  # leave no empty folders behind after a failed download
+            if not dest.exists():
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+
+
+def ensure_files(key: str, folder: Path, names: list[str] | None = None) -> list[Path]:
+    """The files of ``REMOTES[key]`` (or those of them named) in ``folder``, downloading missing ones.
+
+    Raises:
+        DataError: One line naming the files to put where, when a file is missing and cannot be
+            downloaded (offline, downloads off, checksum mismatch).
+    """
+    remotes = [r for r in REMOTES[key] if names is None or r.filename in names]
+    missing = [r for r in remotes if not (Path(folder) / r.filename).is_file()]
+    for remote in missing:
+        try:
+            fetch(remote, folder)
+        except DataError as exc:
+            wanted = ", ".join(r.filename for r in missing)
+            raise DataError(
+                f"{key}: missing {wanted} in {folder} and {exc}; download them from "
+                f"{remote.urls[0].rsplit('/', 1)[0]}/ into that folder (or pass --data-dir)"
+            ) from None
+    return [Path(folder) / r.filename for r in remotes]

@@ -1,0 +1,143 @@
+"""Omniglot: 50 alphabets, 1,623 characters, 20 drawings each (Lake et al.), as PFLEGO uses it.
+
+Read from the official ``images_background.zip`` / ``images_evaluation.zip`` (or their extracted
+folders ``images_background/`` / ``images_evaluation/``) in ``<data-dir>/omniglot`` or
+``<data-dir>``. Each 105x105 drawing is converted to grayscale with ink bright on a dark background
+and resized to 28x28 (Pillow, Lanczos). Each character's drawings are augmented with rotations by
+0/90/180/270 degrees as the same class, and then split 75% / 25% into train and test per character
+(seeded). Labels are character ids; each sample's natural group is its alphabet, so the ``natural``
+partition gives one alphabet per client (50 clients) with local labels.
+"""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from pathlib import Path, PurePosixPath
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from pflego.data.cache import cached_arrays
+from pflego.data.datasets import register
+from pflego.data.download import REMOTES, fetch
+from pflego.data.federated import ArrayDataset
+from pflego.errors import DataError
+
+SETS = ("images_background", "images_evaluation")
+SIZE = 28
+TEST_FRACTION = 0.25
+
+
+def _decode_png(raw: bytes, where: str) -> np.ndarray:
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            img = img.convert("L").resize((SIZE, SIZE), Image.Resampling.LANCZOS)
+            return 255 - np.asarray(img, dtype=np.uint8)
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise DataError(
+            f"cannot decode {where} ({exc}); replace it with the official file"
+        ) from None
+
+
+def _entries(source: Path) -> list[tuple[str, str, str, bytes]]:
+    """``(alphabet, character, file, png bytes)`` for every drawing of one set."""
+    out = []
+    if source.suffix == ".zip":
+        try:
+            with zipfile.ZipFile(source) as z:
+                for info in z.infolist():
+                    parts = PurePosixPath(info.filename).parts
+                    if len(parts) == 4 and parts[-1].lower().endswith(".png"):
+                        out.append((parts[1], parts[2], f"{source}:{info.filename}", z.read(info)))
+        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            raise DataError(
+                f"cannot read {source} ({exc}); replace it with the official Omniglot zip"
+            ) from None
+    else:
+        for png in source.glob("*/*/*.png"):
+            rel = png.relative_to(source).parts
+            out.append((rel[0], rel[1], str(png), png.read_bytes()))
+    if not out:
+        raise DataError(
+            f"{source} holds no <Alphabet>/<character>/*.png drawings; "
+            "replace it with the official Omniglot file"
+        )
+    return out
+
+
+def _sources(root: Path) -> list[Path]:
+    folder = root / "omniglot" if (root / "omniglot").is_dir() else root
+    found = []
+    for name, remote in zip(SETS, REMOTES["omniglot"]):
+        if (folder / f"{name}.zip").is_file():
+            found.append(folder / f"{name}.zip")
+        elif (folder / name).is_dir():
+            found.append(folder / name)
+        else:
+            target = root / "omniglot"
+            try:
+                found.append(fetch(remote, target))
+            except DataError as exc:
+                raise DataError(
+                    f"omniglot: missing {name}.zip in {target} and {exc}; download it from "
+                    f"{remote.urls[0]} into that folder (or pass --data-dir)"
+                ) from None
+    return found
+
+
+def decode_omniglot(sources: list[Path]) -> dict[str, np.ndarray]:
+    """28x28 images of every drawing and of its rotations, with character and alphabet ids.
+
+    The rotations are stored too (rotating 130k images takes longer than reading them back), in
+    four blocks: all drawings rotated by 0 degrees, then by 90, 180 and 270.
+    """
+    entries = sorted(e for s in sources for e in _entries(s))
+    alphabets = sorted({a for a, _, _, _ in entries})
+    characters = sorted({(a, c) for a, c, _, _ in entries})
+    alphabet_id = {a: i for i, a in enumerate(alphabets)}
+    char_id = {ac: i for i, ac in enumerate(characters)}
+    x = np.stack([_decode_png(raw, where) for _, _, where, raw in entries])
+    character = np.array([char_id[(a, c)] for a, c, _, _ in entries], dtype=np.int64)
+    alphabet = np.array([alphabet_id[a] for a, _, _, _ in entries], dtype=np.int64)
+    return {
+        "x": np.concatenate([np.rot90(x, k, axes=(1, 2)) for k in range(4)]),
+        "character": np.tile(character, 4),
+        "alphabet": np.tile(alphabet, 4),
+        "alphabet_names": np.array(alphabets),
+    }
+
+
+def split_per_class(
+    labels: np.ndarray, test_fraction: float, rng: np.random.Generator
+) -> np.ndarray:
+    """A test mask holding ``round(test_fraction * n_c)`` random samples of each class ``c``."""
+    order = np.lexsort((rng.random(len(labels)), labels))
+    sorted_labels = labels[order]
+    starts = np.searchsorted(sorted_labels, sorted_labels, side="left")
+    counts = np.bincount(labels)[sorted_labels]
+    rank = np.arange(len(labels)) - starts
+    mask = np.zeros(len(labels), dtype=bool)
+    mask[order] = rank < np.round(test_fraction * counts)
+    return mask
+
+
+@register("omniglot", "conv4", True, "Omniglot, one alphabet per client (official zips)")
+def load_omniglot(root: Path, seed: int = 0) -> ArrayDataset:
+    """Omniglot as PFLEGO uses it (see the module docstring); the split depends on ``seed``."""
+    sources = _sources(root)
+    a = cached_arrays("omniglot", 2, sources, lambda: decode_omniglot(sources))
+    x, y, groups = a["x"][:, None], a["character"], a["alphabet"]
+    test = split_per_class(y, TEST_FRACTION, np.random.default_rng([seed, 11]))
+    return ArrayDataset(
+        "omniglot",
+        x[~test],
+        y[~test],
+        x[test],
+        y[test],
+        int(y.max()) + 1,
+        scale=1 / 255,
+        groups_train=groups[~test],
+        groups_test=groups[test],
+        extra={"group_names": [str(n) for n in a["alphabet_names"]]},
+    )
