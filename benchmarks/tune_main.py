@@ -12,7 +12,7 @@ import argparse
 from pflego.report import preset
 from pflego.sim.runner import run
 
-GRID = [0.01, 0.03, 0.1, 0.3]
+GRID = [0.01, 0.03, 0.1, 0.3, 1.0]
 
 
 def main() -> None:
@@ -20,12 +20,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--out", default="runs/tune")
     parser.add_argument("--algorithms", default="pflego,fedavg,fedper")
+    parser.add_argument("--grid", default=",".join(map(str, GRID)), help="comma-separated step sizes")
     args = parser.parse_args()
     settings = {**preset()["settings"], "seed": 1, "rounds": args.rounds}
     print("| algorithm | step size | test acc (%) | training loss |")
     print("|---|---:|---:|---:|")
     for name in args.algorithms.split(","):
-        for lr in GRID:
+        for lr in [float(v) for v in args.grid.split(",")]:
             lrs = {"client_lr": lr, "server_lr": lr if name == "pflego" else None}
             h = run({**settings, "algorithm": name, **lrs}, out=f"{args.out}/{name}-{lr}", progress=False)
             m = h.final(settings["average_last"])
