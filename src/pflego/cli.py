@@ -61,7 +61,8 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"pflego: error: {message} (see `{self.prog} --help`)\n")
 
 
-def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``pflego run`` (also used by ``compare`` and ``flower local``)."""
     for flag, key, help_text in RUN_FLAGS:
         parser.add_argument(flag, dest=key, default=None, help=help_text)
     parser.add_argument("--config", type=Path, help="YAML file of settings (flags override it)")
@@ -160,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", parser_class=Parser, metavar="COMMAND")
 
     run_p = sub.add_parser("run", help="run one experiment")
-    _add_run_flags(run_p)
+    add_run_flags(run_p)
     run_p.add_argument(
         "--resume", type=Path, metavar="DIR", help="continue a stopped run from its directory"
     )
@@ -169,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_p = sub.add_parser(
         "compare", help="run several algorithms and compare them (no flags: the main experiment)"
     )
-    _add_run_flags(cmp_p)
+    add_run_flags(cmp_p)
     cmp_p.add_argument("--algorithms", help="comma-separated names (default pflego,fedavg,fedper)")
     cmp_p.set_defaults(handler=cmd_compare)
 

@@ -38,25 +38,10 @@ def _require_flower() -> None:
         )
 
 
-def _add_run_flags(parser: argparse.ArgumentParser) -> None:
-    from pflego.cli import RUN_FLAGS
-
-    for flag, key, help_text in RUN_FLAGS:
-        parser.add_argument(flag, dest=key, default=None, help=help_text)
-    parser.add_argument("--config", type=Path, help="YAML file of settings (flags override it)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any setting, e.g. --set options.head_step=eq3",
-    )
-    parser.add_argument("--out", type=Path, help="run directory")
-
-
 def add_commands(subparsers: Any) -> None:
     """Add the ``flower`` command group (``local``, ``certs``) to an argparse subparsers object."""
+    from pflego.cli import add_run_flags  # the main CLI calls this function while it builds
+
     flower = subparsers.add_parser("flower", help="run on Flower (needs pflego[flower])")
     commands = flower.add_subparsers(dest="flower_command", metavar="COMMAND")
 
@@ -64,7 +49,7 @@ def add_commands(subparsers: Any) -> None:
         "local", help="run an experiment on a SuperLink and N SuperNodes on 127.0.0.1"
     )
     local.add_argument("--nodes", type=int, help="number of SuperNodes (default: --clients)")
-    _add_run_flags(local)
+    add_run_flags(local)
     local.add_argument("--tls", action="store_true", help="TLS between nodes and SuperLink")
     local.add_argument(
         "--auth", action="store_true", help="SuperNode authentication (implies --tls)"

@@ -34,7 +34,7 @@ from pflego.flower.records import (
     params_to_record,
 )
 from pflego.history import History, RunDir
-from pflego.sim.runner import Experiment, Simulation
+from pflego.sim.runner import Experiment, Simulation, evaluation_record
 from pflego.types import ClientOut, RoundContext
 
 log = logging.getLogger("pflego.flower")
@@ -274,13 +274,7 @@ class FlowerServer:
             log.warning("evaluation after round %d: no node answered", completed)
             return None
         rows = [json.loads(replies[c].content["pflego"]["row"]) for c in sorted(replies)]
-        record = {
-            "round": completed,
-            "algorithm": self.cfg.algorithm,
-            "dataset": self.cfg.dataset,
-            **summarize(rows),
-            "seconds": round(self.seconds, 3),
-        }
+        record = evaluation_record(self.cfg, completed, summarize(rows), self.seconds)
         self.records.append(record)
         if self.run_dir:
             self.run_dir.log(record, rows)

@@ -194,13 +194,7 @@ class Simulation:
             self.test_pool,
             self.cfg.chunk_size,
         )
-        record = {
-            "round": completed,
-            "algorithm": self.cfg.algorithm,
-            "dataset": self.cfg.dataset,
-            **summary,
-            "seconds": round(self.seconds, 3),
-        }
+        record = evaluation_record(self.cfg, completed, summary, self.seconds)
         self.records.append(record)
         if self.run_dir:
             self.run_dir.log(record, rows)
@@ -272,6 +266,19 @@ class Simulation:
                 f"{cfg.algorithm} on {cfg.dataset}",
             )
         return history
+
+
+def evaluation_record(
+    config: Config, completed: int, summary: dict[str, float], seconds: float
+) -> dict[str, Any]:
+    """One line of ``metrics.jsonl``."""
+    return {
+        "round": completed,
+        "algorithm": config.algorithm,
+        "dataset": config.dataset,
+        **summary,
+        "seconds": round(seconds, 3),
+    }
 
 
 def default_out(config: Config) -> Path:
