@@ -87,3 +87,10 @@ def test_training_loss_goes_down_on_a_toy_problem(name):
     for t in range(5):
         sim.run_round(t)
     assert sim.evaluate(5)["train_loss"] < 0.9 * first
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_model_with_an_empty_body_still_runs(name):
+    sim = Simulation(tiny_experiment(algorithm=name, model="linear", dtype="float32"), None)
+    sim.run_round(0)
+    assert sim.evaluate(1)["test_acc"] >= 0

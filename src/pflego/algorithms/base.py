@@ -93,7 +93,7 @@ class Algorithm:
         """Private state at a client's first visit (a personal head when the head is personal)."""
         if "head" not in self.personal:
             return {}
-        dtype = next(iter(downlink.values())).dtype
+        dtype = next(iter(downlink.values())).dtype if downlink else torch.get_default_dtype()
         return init_head(self.head_width, self.model.feature_dim, generator, self.head_init, dtype)
 
     def client_update(
