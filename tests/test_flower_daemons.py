@@ -234,7 +234,9 @@ def test_ctrl_c_on_pflego_flower_local_stops_every_process(tmp_path):
             if " started; run directory" in line or time.monotonic() > deadline:
                 break
         os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground group
-        code = process.wait(timeout=180)  # shutdown is bounded (launcher waits 60 s), slow under load
+        code = process.wait(
+            timeout=180
+        )  # shutdown is bounded (launcher waits 60 s), slow under load
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

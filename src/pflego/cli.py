@@ -209,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print(
-            "pflego: interrupted; a run continues with `pflego run --resume DIR`", file=sys.stderr
+            "pflego: interrupted (a simulator run continues with `pflego run --resume DIR`)",
+            file=sys.stderr,
         )
         return 130
 

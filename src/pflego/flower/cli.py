@@ -261,23 +261,10 @@ def _echo(name: str, record: dict[str, Any], say) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pflego.flower.cli flower ...`` (what ``pflego flower`` runs)."""
-    from pflego.cli import Parser
+    """``python -m pflego.flower.cli flower ...``: the ``pflego`` command, used to re-execute."""
+    from pflego.cli import main as pflego_main
 
-    parser = Parser(prog="pflego")
-    add_commands(parser.add_subparsers(dest="command", parser_class=Parser, metavar="COMMAND"))
-    args = parser.parse_args(argv)
-    if not getattr(args, "handler", None):
-        parser.print_help()
-        return 2
-    try:
-        return args.handler(args)
-    except PflegoError as exc:
-        print(f"pflego: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("pflego: interrupted; every Flower process was stopped", file=sys.stderr)
-        return 130
+    return pflego_main(argv)
 
 
 if __name__ == "__main__":

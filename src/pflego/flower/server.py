@@ -34,7 +34,7 @@ from pflego.flower.records import (
     params_to_record,
 )
 from pflego.history import History, RunDir
-from pflego.sim.runner import Experiment, Simulation, evaluation_record
+from pflego.sim.runner import Experiment, Simulation, evaluation_due, evaluation_record
 from pflego.types import ClientOut, RoundContext
 
 log = logging.getLogger("pflego.flower")
@@ -287,12 +287,7 @@ class FlowerServer:
         return record
 
     def should_evaluate(self, completed: int) -> bool:
-        cfg = self.cfg
-        return (
-            completed % cfg.eval_every == 0
-            or completed > cfg.rounds - cfg.average_last
-            or completed == cfg.rounds
-        )
+        return evaluation_due(self.cfg, completed)
 
     def log_event(self, event: dict[str, Any]) -> None:
         if self.run_dir:

@@ -201,12 +201,7 @@ class Simulation:
         return record
 
     def should_evaluate(self, completed: int) -> bool:
-        cfg = self.cfg
-        return (
-            completed % cfg.eval_every == 0
-            or completed > cfg.rounds - cfg.average_last
-            or completed == cfg.rounds
-        )
+        return evaluation_due(self.cfg, completed)
 
     # --- persistence ------------------------------------------------------------------------
 
@@ -266,6 +261,15 @@ class Simulation:
                 f"{cfg.algorithm} on {cfg.dataset}",
             )
         return history
+
+
+def evaluation_due(config: Config, completed: int) -> bool:
+    """Evaluate every ``eval_every`` rounds, at each of the last ``average_last`` and at the end."""
+    return (
+        completed % config.eval_every == 0
+        or completed > config.rounds - config.average_last
+        or completed == config.rounds
+    )
 
 
 def evaluation_record(
