@@ -124,9 +124,7 @@ class Simulation:
         rng = np.random.default_rng(seed_for(self.cfg.seed, 1, t))
         num = self.exp.data.num_clients
         if self.cfg.sampling == "fixed":
-            return np.sort(
-                rng.choice(num, max(1, round(self.cfg.participation * num)), replace=False)
-            )
+            return np.sort(rng.choice(num, int(self.context(t).cohort_size), replace=False))
         return np.flatnonzero(rng.random(num) < self.cfg.participation)
 
     def init_state(self, client: int, downlink, ctx: RoundContext) -> ClientState:
