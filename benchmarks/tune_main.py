@@ -20,7 +20,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--out", default="runs/tune")
     parser.add_argument("--algorithms", default="pflego,fedavg,fedper")
-    parser.add_argument("--grid", default=",".join(map(str, GRID)), help="comma-separated step sizes")
+    parser.add_argument(
+        "--grid", default=",".join(map(str, GRID)), help="comma-separated step sizes"
+    )
     args = parser.parse_args()
     settings = {**preset()["settings"], "seed": 1, "rounds": args.rounds}
     print("| algorithm | step size | test acc (%) | training loss |")
@@ -28,9 +30,15 @@ def main() -> None:
     for name in args.algorithms.split(","):
         for lr in [float(v) for v in args.grid.split(",")]:
             lrs = {"client_lr": lr, "server_lr": lr if name == "pflego" else None}
-            h = run({**settings, "algorithm": name, **lrs}, out=f"{args.out}/{name}-{lr}", progress=False)
+            h = run(
+                {**settings, "algorithm": name, **lrs},
+                out=f"{args.out}/{name}-{lr}",
+                progress=False,
+            )
             m = h.final(settings["average_last"])
-            print(f"| {name} | {lr} | {100 * m['test_acc']:.2f} | {m['train_loss']:.4f} |", flush=True)
+            print(
+                f"| {name} | {lr} | {100 * m['test_acc']:.2f} | {m['train_loss']:.4f} |", flush=True
+            )
 
 
 if __name__ == "__main__":
