@@ -45,23 +45,13 @@ def timed_load(name: str, data_dir: str, cache: str) -> dict[str, float]:
 
 def partition_stats(name: str, data_dir: str, clients: int) -> dict[str, object]:
     from pflego.config import Config
-    from pflego.data import federate, load_dataset
+    from pflego.data import load_dataset
+    from pflego.sim.runner import partition
 
     cfg = Config(dataset=name, clients=clients)
     raw = load_dataset(name, data_dir or None, seed=cfg.seed)
     t = time.perf_counter()
-    fd = federate(
-        raw,
-        cfg.clients,
-        cfg.partition,
-        cfg.classes_per_client,
-        cfg.alpha,
-        cfg.min_client_size,
-        cfg.test_fraction,
-        cfg.seed,
-        val_fraction=cfg.val_fraction,
-        beta=cfg.pachinko_beta,
-    )
+    fd = partition(raw, cfg)
     seconds = time.perf_counter() - t
     rows = fd.summary()
     k = np.array([len(r["classes"]) for r in rows])

@@ -103,14 +103,19 @@ def query(message: Message, context: Context) -> Message:
     return Message(reply, reply_to=message)
 
 
-@client_app.train()
-def train(message: Message, context: Context) -> Message:
-    """Decode the downlink, run ``client_update`` on the client's state, keep the new state."""
+def client_inputs(message: Message, context: Context):
+    """This node's client, the decoded downlink and round context, and the client's state."""
     node = load_node(node_config(context), node_client(context))
     check_client(message, node)
     downlink = params_from_record(message.content["downlink"])
     ctx = context_from_record(message.content["ctx"])
-    state = load_state(context, node, downlink, ctx)
+    return node, downlink, ctx, load_state(context, node, downlink, ctx)
+
+
+@client_app.train()
+def train(message: Message, context: Context) -> Message:
+    """Decode the downlink, run ``client_update`` on the client's state, keep the new state."""
+    node, downlink, ctx, state = client_inputs(message, context)
     out, new_state = node.train(downlink, state, ctx)
     state_files(context).save(context.run_id, node.client, new_state)
     context.state[STATE_KEY] = params_to_record(new_state)
@@ -126,11 +131,7 @@ def train(message: Message, context: Context) -> Message:
 @client_app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
     """Evaluate the client's personalized model on its train and test data."""
-    node = load_node(node_config(context), node_client(context))
-    check_client(message, node)
-    downlink = params_from_record(message.content["downlink"])
-    ctx = context_from_record(message.content["ctx"])
-    state = load_state(context, node, downlink, ctx)
+    node, downlink, ctx, state = client_inputs(message, context)
     row = node.evaluate(downlink, state)
     content = RecordDict(
         {

@@ -16,7 +16,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from pflego.algorithms import Algorithm
@@ -25,7 +24,7 @@ from pflego.data import FederatedData
 from pflego.errors import ConfigError
 from pflego.eval import evaluate
 from pflego.history import atomic_write
-from pflego.sim.clients import client_data, schedule, seed_for
+from pflego.sim.clients import client_data, first_visit_generator, minibatch_rng, schedule
 from pflego.sim.runner import build_experiment
 from pflego.tree import Params
 from pflego.types import ClientOut, ClientState, RoundContext
@@ -75,7 +74,7 @@ class ClientNode:
 
     def first_visit_state(self, downlink: Params, ctx: RoundContext) -> ClientState:
         """The state the simulator gives this client at its first visit (seeded by its id)."""
-        generator = torch.Generator().manual_seed(seed_for(self.config.seed, 3, self.client))
+        generator = first_visit_generator(self.config.seed, self.client)
         return self.algorithm.init_client(downlink, generator, ctx)
 
     def train(
@@ -84,7 +83,7 @@ class ClientNode:
         """One round of the algorithm's local work for this client."""
         cfg = self.config
         n = int(self.data.train_sizes[0])
-        rng = np.random.default_rng(seed_for(cfg.seed, 2, ctx.round, self.client))
+        rng = minibatch_rng(cfg.seed, ctx.round, self.client)
         batches = schedule(n, cfg.inner_steps, cfg.batch_size, cfg.local_epochs, rng)
         data = client_data(self.data, 0, self.algorithm.label_space, batches, self.dtype)
         return self.algorithm.client_update(downlink, state, data, ctx)

@@ -30,6 +30,16 @@ def seed_for(*keys: int) -> int:
     )
 
 
+def first_visit_generator(seed: int, client: int) -> torch.Generator:
+    """The generator of a client's first-visit state: the same in every backend and on Flower."""
+    return torch.Generator().manual_seed(seed_for(seed, 3, client))
+
+
+def minibatch_rng(seed: int, round_: int, client: int) -> np.random.Generator:
+    """The generator that shuffles a client's minibatches in a round."""
+    return np.random.default_rng(seed_for(seed, 2, round_, client))
+
+
 def num_steps(
     n: int, inner_steps: int, batch_size: int | None, local_epochs: float | None
 ) -> tuple[int, int]:

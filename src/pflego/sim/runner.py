@@ -15,14 +15,21 @@ from tqdm.auto import tqdm
 from pflego import tree
 from pflego.algorithms import ALGORITHMS, Algorithm, build_algorithm
 from pflego.config import Config, load_config, read_yaml, to_dict
-from pflego.data import DATASETS, FederatedData, federate, load_dataset
+from pflego.data import DATASETS, ArrayDataset, FederatedData, federate, load_dataset
 from pflego.errors import ConfigError
 from pflego.eval import evaluate_pools
 from pflego.history import History, RunDir
 from pflego.models import build_model
 from pflego.optim import make_optimizer
 from pflego.sim.backends import make_backend
-from pflego.sim.clients import ClientPool, ClientStore, Cohort, seed_for
+from pflego.sim.clients import (
+    ClientPool,
+    ClientStore,
+    Cohort,
+    first_visit_generator,
+    minibatch_rng,
+    seed_for,
+)
 from pflego.types import ClientState, RoundContext, ServerState
 
 
@@ -47,18 +54,9 @@ def _optimizer(name: str, config: Config):
     )
 
 
-def build_experiment(config: Config) -> Experiment:
-    """Check names first, then load and partition the data and build model and algorithm."""
-    if config.algorithm not in ALGORITHMS:
-        raise ConfigError(
-            f"unknown algorithm {config.algorithm!r}; choose one of {', '.join(sorted(ALGORITHMS))}"
-        )
-    if config.dataset not in DATASETS:
-        raise ConfigError(
-            f"unknown dataset {config.dataset!r}; choose one of {', '.join(sorted(DATASETS))}"
-        )
-    raw = load_dataset(config.dataset, config.data_dir, seed=config.seed)
-    data = federate(
+def partition(raw: ArrayDataset, config: Config) -> FederatedData:
+    """Split a loaded dataset over clients as ``config`` says."""
+    return federate(
         raw,
         config.clients,
         config.partition,
@@ -70,6 +68,19 @@ def build_experiment(config: Config) -> Experiment:
         val_fraction=config.val_fraction,
         beta=config.pachinko_beta,
     )
+
+
+def build_experiment(config: Config) -> Experiment:
+    """Check names first, then load and partition the data and build model and algorithm."""
+    if config.algorithm not in ALGORITHMS:
+        raise ConfigError(
+            f"unknown algorithm {config.algorithm!r}; choose one of {', '.join(sorted(ALGORITHMS))}"
+        )
+    if config.dataset not in DATASETS:
+        raise ConfigError(
+            f"unknown dataset {config.dataset!r}; choose one of {', '.join(sorted(DATASETS))}"
+        )
+    data = partition(load_dataset(config.dataset, config.data_dir, seed=config.seed), config)
     model_name = DATASETS[config.dataset].default_model if config.model == "auto" else config.model
     model = build_model(model_name, data.input_shape, data.num_classes, data.max_classes)
     algorithm = build_algorithm(
@@ -129,7 +140,7 @@ class Simulation:
 
     def init_state(self, client: int, downlink, ctx: RoundContext) -> ClientState:
         """A client's first-visit state (seeded by the client id, so every backend agrees)."""
-        generator = torch.Generator().manual_seed(seed_for(self.cfg.seed, 3, client))
+        generator = first_visit_generator(self.cfg.seed, client)
         return self.algorithm.init_client(tree.to(downlink, "cpu"), generator, ctx)
 
     def client_state(self, client: int, downlink, ctx: RoundContext) -> ClientState:
@@ -160,7 +171,7 @@ class Simulation:
             cfg.inner_steps,
             cfg.batch_size,
             cfg.local_epochs,
-            lambda i: np.random.default_rng(seed_for(cfg.seed, 2, t, i)),
+            lambda i: minibatch_rng(cfg.seed, t, i),
         )
 
     # --- one round --------------------------------------------------------------------------
