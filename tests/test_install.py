@@ -30,6 +30,12 @@ def extras_named(command: str) -> set[str]:
     return set(match[1].split(",")) if match else set()
 
 
+def slow_tier_extras() -> set[str]:
+    """The extras `.ci/run` installs after the README's test command, before ``pytest -m slow``."""
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    return set().union(*(extras_named(line) for line in lines if line.startswith("pip install")))
+
+
 def requirement_name(requirement: str) -> str:
     """The normalized distribution name of a requirement string (``flwr>=1.41`` -> ``flwr``)."""
     name = re.match(r"[A-Za-z0-9_.-]+", requirement)[0]
@@ -46,11 +52,13 @@ def modules_of(distribution: str) -> set[str]:
     return installed | {distribution.replace("-", "_")}
 
 
-def imported_modules(paths: list[Path]) -> set[str]:
-    """The top-level names of every absolute import in ``paths`` (also inside functions)."""
+def imported_modules(paths: list[Path], lazy: bool = True) -> set[str]:
+    """The top-level names of every absolute import in ``paths`` (``lazy``: also inside
+    functions; else only those a module runs when it is imported)."""
     found = set()
     for path in paths:
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree) if lazy else tree.body:
             if isinstance(node, ast.Import):
                 found.update(alias.name.partition(".")[0] for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -80,10 +88,17 @@ def test_the_readme_test_command_installs_every_extra_the_suite_imports():
         for extra, requirements in extras.items()
         if any(modules_of(requirement_name(r)) & (imported - installed) for r in requirements)
     }
-    assert needed <= named, (
+    # Extras of the slow tier alone (.ci/run installs them) are imported only inside functions
+    # (the default suite's tests of them skip or are slow), never when a module is imported.
+    slow_only = needed & slow_tier_extras() - named
+    assert needed - slow_only <= named, (
         f"the suite imports packages of the extras {sorted(needed - named)}, which the README's "
         f"test command does not install: {readme_test_command()}"
     )
+    eager = imported_modules([*ROOT.glob("tests/*.py"), *ROOT.glob("src/pflego/**/*.py")], False)
+    for extra in slow_only:
+        modules = set().union(*(modules_of(requirement_name(r)) for r in extras[extra]))
+        assert not modules & eager - installed, f"a module imports [{extra}] when it is imported"
 
 
 def test_every_third_party_import_is_a_dependency_or_in_an_extra():

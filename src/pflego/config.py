@@ -22,6 +22,8 @@ SAMPLING = ("fixed", "bernoulli", "uniform-count")
 LABELS = ("global", "local")
 BACKENDS = ("auto", "vmap", "fused", "loop")
 DTYPES = ("float32", "float64")
+#: Experiment trackers of the ``log`` setting -> the module each needs (its extra has its name).
+TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 MAX_SEED = 2**62  # seeds are offset and passed to torch generators, which take 64-bit integers
 MAX_COUNT = 2**31 - 1  # counts (clients, rounds, steps, sizes) index tensors
 
@@ -73,6 +75,8 @@ class Config:
     device: str = "cpu"
     dtype: str = "float32"
     out: str | None = None
+    log: str | None = None  # experiment trackers, comma-separated: tensorboard, mlflow, wandb
+    log_dir: str | None = None  # where trackers write (default: the run's or experiment's folder)
     # Differential privacy of the uploads (docs/privacy.md): clipping norm C, noise multiplier
     # sigma or a target epsilon that picks it, delta, and noise on each client instead.
     dp_clip: float | None = None
@@ -158,6 +162,7 @@ class Config:
                     f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}"
                 )
         self.validate_privacy()
+        tracker_names(self.log)
         check_device(self.device)
         if not isinstance(self.options, dict):
             raise ConfigError("options must be a mapping of algorithm option names to values")
@@ -201,6 +206,31 @@ class Config:
             raise ConfigError(f"dp_target_epsilon={self.dp_target_epsilon} must be positive")
         if not 0 < self.dp_delta < 1:
             raise ConfigError(f"dp_delta={self.dp_delta} must lie in (0, 1)")
+
+
+def tracker_names(log: str | None) -> list[str]:
+    """The trackers a ``log`` setting names (comma-separated), each known and installed.
+
+    Raises:
+        ConfigError: An unknown name, an empty list, or a tracker whose package is missing (one
+            line naming the extra that installs it).
+    """
+    import importlib.util
+
+    if log is None:
+        return []
+    names = list(dict.fromkeys(part.strip() for part in log.split(",")))
+    for name in names:
+        if name not in TRACKERS:
+            raise ConfigError(
+                f"log={log!r}: {name!r} is not a tracker; choose from {', '.join(TRACKERS)} "
+                "(comma-separated)"
+            )
+        if importlib.util.find_spec(TRACKERS[name]) is None:
+            raise ConfigError(
+                f"log={name} needs the {TRACKERS[name]} package: pip install 'pflego[{name}]'"
+            )
+    return names
 
 
 def check_device(device: str) -> None:

@@ -10,6 +10,7 @@ import os
 import tempfile
 import threading
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,9 +120,14 @@ def check_writable(folder: str | Path, what: str | None = None) -> None:
 #: Files whose presence makes a folder a run directory that has started (``config.yaml`` alone
 #: is a run claimed before its data was loaded: nothing to lose).
 RUN_FILES = ("metrics.jsonl", "checkpoint.pt")
+#: The ids of a run's tracker runs (``pflego.trackers``), so that a resumed run continues them.
+TRACKER_RUNS = "trackers.json"
+#: The file that makes a folder an experiment of several runs (reproduce, --seeds, tune).
+EXPERIMENT_MANIFEST = "experiment.json"
 #: Every file a run writes.
 RUN_OUTPUTS = (
     *RUN_FILES,
+    TRACKER_RUNS,
     "config.yaml",
     "clients.csv",
     "partition.json",
@@ -245,6 +251,8 @@ class RunDir:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        #: Called with every record :meth:`log` writes (the run's experiment trackers).
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -271,7 +279,8 @@ class RunDir:
         The files of a run this one replaces (its checkpoint, figure and profile) are removed
         first.
         """
-        for stale in (self.checkpoint, self.path / "curves.png", self.path / "profile.json"):
+        stale_files = ("curves.png", "profile.json", TRACKER_RUNS)
+        for stale in (self.checkpoint, *(self.path / name for name in stale_files)):
             if stale.is_dir():
                 raise ConfigError(
                     f"{stale} is a folder where a run file goes; move it away or choose another "
@@ -316,6 +325,8 @@ class RunDir:
         """
         with self.metrics.open("a") as f:
             f.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")
+        for listener in self.listeners:
+            listener(record)
         columns = self.client_columns()
         new = columns is None
         if new:

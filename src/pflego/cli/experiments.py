@@ -13,6 +13,7 @@ from pflego.cli.flags import (
     add_flag,
     add_flags,
     add_run_flags,
+    add_run_setting,
     check_target,
     parse_names,
     settings_from_args,
@@ -54,7 +55,6 @@ def _add_parser(sub: Any, name: str) -> argparse.ArgumentParser:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    from pflego.config import parse_overrides
     from pflego.experiments.presets import list_presets
     from pflego.experiments.reproduce import default_reproduce_out, reproduce
     from pflego.experiments.seeds import parse_seeds
@@ -78,7 +78,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
             tune_seeds=parse_seeds(args.tune_seeds),
             tune_rounds=args.tune_rounds,
             target_acc=check_target(args.target_acc),
-            overrides=parse_overrides(args.overrides),
+            overrides=settings_from_args(args),  # --set and --log
             blocks=parse_names(args.blocks),
             rows=parse_names(args.rows),
             progress=not args.quiet,
@@ -138,6 +138,7 @@ def add_reproduce(sub: Any) -> None:
     p.add_argument("--rows", metavar="R1,R2", help="only these rows (default all)")
     add_flag(p, "--target-acc")
     add_flag(p, "--set", help="override a setting of every run, e.g. --set device=cuda")
+    add_run_setting(p, "log")
     add_flag(p, "--quiet", help="no progress bars")
     p.set_defaults(handler=cmd_reproduce)
 

@@ -52,6 +52,8 @@ RUN_SETTINGS = {
     "dp_noise": "differential privacy: noise multiplier sigma (std sigma x C)",
     "dp_target_epsilon": "differential privacy: pick sigma for this epsilon",
     "dp_delta": "differential privacy: the delta epsilon is reported at",
+    "log": "experiment trackers, comma-separated: tensorboard | mlflow | wandb (offline files in "
+    "the run's or experiment's folder, or --set log_dir=DIR)",
 }
 #: config key -> help of the on/off settings
 RUN_SETTING_SWITCHES = {"dp_local": "differential privacy: noise on each client instead"}
@@ -72,6 +74,7 @@ UNSET = {
     "data_dir": "$PFLEGO_DATA, else ~/.cache/pflego/data",
     "local_epochs": "unset: --inner-steps steps",
     "batch_size": "unset: the whole local set every step",
+    "log": "none: metrics.jsonl only",
     "client_lr": "the algorithm's, see `pflego list`",
     "server_lr": "the algorithm's, see `pflego list`",
 }
@@ -222,17 +225,26 @@ def add_threads_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_run_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``pflego run`` (also used by ``compare``, ``tune`` and ``flower``)."""
+def add_run_setting(
+    parser: argparse.ArgumentParser, key: str, allowed: list[str] | None = None
+) -> None:
+    """The flag of one of :data:`RUN_SETTINGS`, its help ending in its ``allowed`` values and
+    its default."""
     from pflego.config import FIELDS
 
+    text = RUN_SETTINGS[key]
+    if allowed:
+        text += f"; one of: {' | '.join(allowed)}"
+    default = FIELDS[key].default
+    shown = UNSET.get(key, default) if default is None else default
+    parser.add_argument(flag_of(key), dest=key, default=None, help=f"{text} (default: {shown})")
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``pflego run`` (also used by ``compare``, ``tune`` and ``flower``)."""
     allowed = choices()
-    for flag, key, text in RUN_FLAGS:
-        if key in allowed:
-            text += f"; one of: {' | '.join(allowed[key])}"
-        default = FIELDS[key].default
-        shown = UNSET.get(key, default) if default is None else default
-        parser.add_argument(flag, dest=key, default=None, help=f"{text} (default: {shown})")
+    for _, key, _ in RUN_FLAGS:
+        add_run_setting(parser, key, allowed.get(key))
     for flag, key, text in RUN_SWITCHES:
         parser.add_argument(flag, dest=key, action="store_const", const=True, help=text)
     add_flags(parser, "--config", "--set", "--out", "--quiet", "--no-verify")

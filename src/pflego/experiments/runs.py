@@ -23,9 +23,9 @@ from pflego.errors import ConfigError, DivergedError
 from pflego.experiments.measures import measure_costs, write_costs
 from pflego.experiments.parallel import Workers, run_parallel
 from pflego.experiments.presets import ALL, Preset, point_label
-from pflego.history import History
+from pflego.history import EXPERIMENT_MANIFEST, History
 
-MANIFEST = "experiment.json"
+MANIFEST = EXPERIMENT_MANIFEST
 DIVERGED = "diverged.json"
 #: Settings a finished or stopped run may differ in from its plan (``rounds`` only upwards).
 RESUMABLE_KEYS = ("data_dir", "device", "out", "rounds")

@@ -33,6 +33,7 @@ from pflego.flower.secure import SecureAggregation
 from pflego.flower.status import EVENTS, MeteredGrid, log_event, status_line, timed
 from pflego.flower.unsupported import refuse_unsupported
 from pflego.history import History, RunDir
+from pflego.trackers import tracking
 
 log = logging.getLogger("pflego.flower")
 
@@ -109,36 +110,37 @@ class FlowerServer(ServerCheckpoints):
     def run(self) -> History:
         """Form the population, then run every round; evaluate, log and checkpoint on schedule."""
         self.start()
-        if self.evaluation_missing():
-            self.evaluate(self.next_round)
-            self.checkpoint()
-        for t in range(self.next_round, self.cfg.rounds):
-            start = time.perf_counter()
-            try:
-                event = self.run_round(t)
-            except DivergedError as exc:  # `pflego flower local` reads it back: exit code 3
-                log_event(self.run_dir, {"round": t, "phase": "diverged", "error": str(exc)})
-                raise
-            self.seconds += time.perf_counter() - start
-            self.next_round = t + 1
-            phases, events = event.setdefault("phases", {}), [event]
-            if self.should_evaluate(t + 1):
-                with timed(phases, "evaluate"):
-                    self.evaluate(t + 1, events)
-            with timed(phases, "checkpoint"):
+        with tracking(self.run_dir, to_dict(self.cfg), self.records):
+            if self.evaluation_missing():
+                self.evaluate(self.next_round)
                 self.checkpoint()
-            for logged in events:
-                log_event(self.run_dir, logged)
-            self.status(event)
-        history = History(self.records, self.run_dir.path if self.run_dir else None)
-        if self.run_dir and self.records:
-            from pflego.plots import plot_histories
+            for t in range(self.next_round, self.cfg.rounds):
+                start = time.perf_counter()
+                try:
+                    event = self.run_round(t)
+                except DivergedError as exc:  # `pflego flower local` reads it back: exit code 3
+                    log_event(self.run_dir, {"round": t, "phase": "diverged", "error": str(exc)})
+                    raise
+                self.seconds += time.perf_counter() - start
+                self.next_round = t + 1
+                phases, events = event.setdefault("phases", {}), [event]
+                if self.should_evaluate(t + 1):
+                    with timed(phases, "evaluate"):
+                        self.evaluate(t + 1, events)
+                with timed(phases, "checkpoint"):
+                    self.checkpoint()
+                for logged in events:
+                    log_event(self.run_dir, logged)
+                self.status(event)
+            history = History(self.records, self.run_dir.path if self.run_dir else None)
+            if self.run_dir and self.records:
+                from pflego.plots import plot_histories
 
-            plot_histories(
-                {self.cfg.algorithm: history},
-                self.run_dir.path / "curves.png",
-                f"{self.cfg.algorithm} on {self.cfg.dataset} (Flower)",
-            )
+                plot_histories(
+                    {self.cfg.algorithm: history},
+                    self.run_dir.path / "curves.png",
+                    f"{self.cfg.algorithm} on {self.cfg.dataset} (Flower)",
+                )
         return history
 
     def status(self, event: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ from pflego.sim.metrics import build_pools
 from pflego.sim.privacy import Privacy, server_round
 from pflego.sim.profile import Profile
 from pflego.sim.progress import RoundProgress
+from pflego.trackers import tracking
 from pflego.tree import Params
 from pflego.types import ClientOut, ClientState, RoundContext, Schedule, ServerState
 
@@ -350,27 +351,28 @@ class Simulation(Evaluation):
         run can be resumed.
         """
         cfg = self.cfg
-        try:
-            if self.evaluation_missing():
-                self.evaluate(self.next_round)
-                self.checkpoint()
-            self.train(progress)
-        except KeyboardInterrupt:
-            self.on_interrupt()
-            raise
-        finally:  # the last submitted checkpoint (the last good one, after a divergence)
-            if self.writer:
-                with self.profile.part("checkpoint"):
-                    self.writer.wait()
-        history = History(self.records, self.run_dir.path if self.run_dir else None)
-        if self.run_dir and self.plots:
-            from pflego.plots import plot_histories
+        with tracking(self.run_dir, to_dict(cfg), self.records):
+            try:
+                if self.evaluation_missing():
+                    self.evaluate(self.next_round)
+                    self.checkpoint()
+                self.train(progress)
+            except KeyboardInterrupt:
+                self.on_interrupt()
+                raise
+            finally:  # the last submitted checkpoint (the last good one, after a divergence)
+                if self.writer:
+                    with self.profile.part("checkpoint"):
+                        self.writer.wait()
+            history = History(self.records, self.run_dir.path if self.run_dir else None)
+            if self.run_dir and self.plots:
+                from pflego.plots import plot_histories
 
-            plot_histories(
-                {cfg.algorithm: history},
-                self.run_dir.path / "curves.png",
-                f"{cfg.algorithm} on {cfg.dataset}",
-            )
+                plot_histories(
+                    {cfg.algorithm: history},
+                    self.run_dir.path / "curves.png",
+                    f"{cfg.algorithm} on {cfg.dataset}",
+                )
         return history
 
     def on_interrupt(self) -> None:

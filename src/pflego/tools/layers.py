@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "pflego.config",
             "pflego.history",
+            "pflego.trackers",
             "pflego.plots",
             "pflego.data",
             "pflego.models",
