@@ -1,17 +1,21 @@
 """``--backend auto``: pick the fastest backend by a short measured probe on the run's first cohort.
 
-On its first call, :class:`AutoBackend` times every eligible backend (``fused``, ``vmap`` and
-``loop`` on CPU; ``vmap`` and ``loop`` on other devices; an unvmappable algorithm has no ``vmap``)
-on that round's real cohort with its local schedules cut to one and then two steps per client,
-after an untimed one-step warm-up. The two timings give each backend a fixed cost per round and a
-cost per local step, from which it predicts the whole round (``vmap`` pads every client to the
-cohort's most steps; the others run each client's own). The fastest prediction wins, and runs the
-round; the choice then holds for the run (a checkpoint stores it, so a resumed run keeps it).
+Where the rule of :func:`~pflego.sim.backends.resolve_backend` is sure, on CPU with every local
+step fused and clients of at least ``FUSED_MIN_SAMPLES`` samples (fused steps beat autograd in any
+backend), ``auto`` is ``fused`` with no probe. Otherwise, on its first call, :class:`AutoBackend`
+times every candidate (``fused`` and ``vmap`` on CPU, where ``fused`` runs the loop's very
+updates, spread over threads; ``vmap`` and ``loop`` elsewhere; an unvmappable algorithm has no
+``vmap``) on that round's real cohort with its local schedules cut to one and then two steps per
+client (the better of two tries of each, after an untimed one-step warm-up). The two timings give
+each backend a fixed cost per round and a cost per local step, from which it predicts the whole
+round (``vmap`` pads every client to the cohort's most steps; the others run each client's own).
+The fastest prediction wins, and runs the round; the choice then holds for the run (a checkpoint
+stores it, so a resumed run keeps it).
 
 The probe works on copies of the downlink and states and restores torch's, NumPy's and Python's
 global random generators afterwards, so a run's numbers are those of naming the chosen backend
 explicitly. Setting the environment variable ``PFLEGO_BACKEND_PROBE=0`` skips it: ``auto`` then
-follows the rule of :func:`~pflego.sim.backends.resolve_backend` (reproducible choices, no timing).
+follows the rule (reproducible choices, no timing).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 
 from pflego.algorithms import Algorithm
 from pflego.sim.backends import Backend, make_backend
-from pflego.sim.clients import Cohort
+from pflego.sim.clients import Cohort, pad_schedules
 from pflego.tree import Params
 from pflego.types import ClientOut, ClientState, RoundContext
 
@@ -51,20 +55,26 @@ def probing_enabled() -> bool:
 
 
 def candidates(algorithm: Algorithm, device: torch.device) -> list[str]:
-    """The backends ``auto`` may pick for ``algorithm`` on ``device``, in order of preference on
-    a tie."""
-    names = ["fused"] if device.type == "cpu" else []
-    if getattr(algorithm, "vmappable", True):
-        names.append("vmap")
-    return [*names, "loop"]
+    """The backends ``auto`` measures for ``algorithm`` on ``device``, in order of preference on
+    a tie (on CPU ``fused`` stands for ``loop`` too: the same updates, over threads)."""
+    vmap = ["vmap"] if getattr(algorithm, "vmappable", True) else []
+    return ["fused", *vmap] if device.type == "cpu" else [*vmap, "loop"]
 
 
-def truncated(cohort: Cohort, steps: int) -> Cohort:
+def truncated(cohort: Cohort, steps: int, padded: bool = False) -> Cohort:
     """The cohort with every client's schedules cut to their last ``steps`` steps (a client's
-    real steps come last)."""
+    real steps come last); ``padded``: its stacked data shares the cohort's padded samples."""
     cut = lambda plans: [(idx[-steps:], mask[-steps:]) for idx, mask in plans]  # noqa: E731
     named = {name: cut(plans) for name, plans in cohort.named.items()}
-    return Cohort(cohort.clients, cohort.pool, cut(cohort.run), named, cohort.validation)
+    short = Cohort(cohort.clients, cohort.pool, cut(cohort.run), named, cohort.validation)
+    if padded:  # the samples are padded once (and reused by the round if vmap wins)
+        whole = cohort.data
+        batches, batch_mask = pad_schedules(short.run, whole.x.dtype)
+        schedules = {k: pad_schedules(v, whole.x.dtype) for k, v in named.items()}
+        short.__dict__["data"] = whole._replace(
+            batches=batches, batch_mask=batch_mask, schedules=schedules
+        )
+    return short
 
 
 def copied(tree: Params | ClientState) -> dict:
@@ -106,6 +116,7 @@ class AutoBackend:
         names: The eligible backends (:func:`candidates`).
         build: ``build(name)`` makes the backend of that name.
         timer: Measures one probe run (tests inject fake timings).
+        settled: Why no probe is needed, when the rule is sure (then ``names[0]`` is chosen).
 
     Attributes:
         chosen: The backend picked (``None`` before the first call).
@@ -114,7 +125,11 @@ class AutoBackend:
     """
 
     def __init__(
-        self, names: Sequence[str], build: Callable[[str], Backend], timer: Timer = wall_clock
+        self,
+        names: Sequence[str],
+        build: Callable[[str], Backend],
+        timer: Timer = wall_clock,
+        settled: str | None = None,
     ) -> None:
         self.names, self.build, self.timer = list(names), build, timer
         self.chosen: str | None = None
@@ -122,10 +137,14 @@ class AutoBackend:
         self.timings: dict[str, dict[str, float]] = {}
         self.failed: dict[str, str] = {}
         self.probe_seconds = 0.0
+        self.reason = settled
+        if settled:
+            self.fix(self.names[0])
 
-    def fix(self, name: str) -> None:
-        """Use backend ``name`` without probing (a resumed run's earlier choice)."""
+    def fix(self, name: str, reason: str | None = None) -> None:
+        """Use backend ``name`` without probing (``reason``: why, e.g. a resumed run's choice)."""
         self.chosen, self.backend = name, self.build(name)
+        self.reason = reason or self.reason
 
     def __call__(
         self,
@@ -150,7 +169,7 @@ class AutoBackend:
         """The candidate of the least predicted round time on this cohort (the first candidate
         when every probe fails: the round itself then reports the error)."""
         start = time.perf_counter()
-        runs = {steps: truncated(cohort, steps) for steps in (1, *PROBE_STEPS)}
+        runs = {steps: truncated(cohort, steps, "vmap" in self.names) for steps in PROBE_STEPS}
         with untouched_generators():
             for name in self.names:
                 backend = self.build(name)
@@ -158,9 +177,12 @@ class AutoBackend:
                 def work(steps: int, backend: Backend = backend) -> None:
                     backend(algorithm, copied(downlink), copied(states), runs[steps], ctx)
 
+                def best(steps: int, name: str = name) -> float:
+                    return min(self.timer(name, lambda: work(steps)) for _ in range(2))
+
                 try:
-                    work(1)  # warm-up: first calls allocate and build what later ones reuse
-                    one, two = (self.timer(name, lambda s=s: work(s)) for s in PROBE_STEPS)
+                    work(PROBE_STEPS[0])  # warm-up: first calls allocate what later ones reuse
+                    one, two = (best(steps) for steps in PROBE_STEPS)
                 except Exception as exc:  # noqa: BLE001  (a backend that fails is not chosen)
                     self.failed[name] = f"{type(exc).__name__}: {exc}"[:200]
                     continue
@@ -181,8 +203,8 @@ class AutoBackend:
             for n, t in sorted(self.timings.items(), key=lambda item: item[1]["predicted_round"])
         )
         if not timed:
-            why = "every probe failed" if self.failed else "kept from the checkpoint"
-            return f"backend {self.chosen} ({why})"
+            why = "every probe failed" if self.failed else self.reason
+            return f"backend auto is {self.chosen} ({why})"
         return (
             f"backend auto chose {self.chosen} (predicted round: {timed}; the probe took "
             f"{self.probe_seconds:.2g} s)"
@@ -194,17 +216,24 @@ class AutoBackend:
         rounded = {n: {k: round(v, 6) for k, v in t.items()} for n, t in self.timings.items()}
         out: dict[str, Any] = {"chosen": self.chosen, "candidates": self.names}
         out |= {"timings": rounded, "probe_seconds": round(self.probe_seconds, 4)}
-        if not self.timings and not self.failed and self.chosen is not None:
-            out["note"] = "kept from the checkpoint this run resumed from (no probe)"
+        if not self.timings and self.reason:
+            out["not_probed"] = self.reason
         return out | ({"failed": self.failed} if self.failed else {})
 
 
+#: Why ``auto`` does not probe when the rule is sure of ``fused``.
+FUSED_FOR_SURE = "every local step fuses and clients are large: fused steps beat autograd"
+
+
 def auto_backend(
-    algorithm: Algorithm, device: torch.device, chunk_size: int | None, timer: Timer = wall_clock
+    algorithm: Algorithm, device: torch.device, chunk_size: int | None, fuses: bool
 ) -> AutoBackend:
-    """The probing ``auto`` backend of ``algorithm`` on ``device``."""
+    """The ``auto`` backend of ``algorithm`` on ``device``: ``fused`` without a probe when
+    ``fuses`` (the rule's fusion check passed on CPU), else measured on the first round."""
+    names = candidates(algorithm, device)
+    sure = fuses and names[0] == "fused"
     return AutoBackend(
-        candidates(algorithm, device),
+        names,
         lambda name: make_backend(name, algorithm, chunk_size),
-        timer,
+        settled=FUSED_FOR_SURE if sure else None,
     )

@@ -111,7 +111,8 @@ class Simulation(Evaluation):
         (:mod:`pflego.sim.backends_auto`), or without probing follows :func:`resolve_backend`."""
         cfg = self.cfg
         if cfg.backend == "auto" and self.probes_backends and probing_enabled():
-            return auto_backend(self.algorithm, self.device, cfg.chunk_size)
+            fuses = self.device.type == "cpu" and self.fusion_probe()
+            return auto_backend(self.algorithm, self.device, cfg.chunk_size, fuses)
         name = resolve_backend(cfg.backend, self.device, self.fusion_probe)
         self.resolved_backend = name
         return make_backend(name, self.algorithm, cfg.chunk_size)
@@ -354,7 +355,7 @@ class Simulation(Evaluation):
         self.store.load_state_dict(state["store"])
         chosen = state.get("backend")
         if isinstance(self.backend, AutoBackend) and chosen not in (None, "auto"):
-            self.backend.fix(chosen)  # the numbers of an uninterrupted run: its backend
+            self.backend.fix(chosen, "kept from the checkpoint")  # an uninterrupted run's numbers
 
     def checkpoint(self, wait: bool = False) -> None:
         """Write a checkpoint on the background writer (``wait``: and block until it is on disk)."""
