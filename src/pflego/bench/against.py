@@ -148,7 +148,8 @@ def against_row(
     train_conv = float(np.median(conv_s)) if runner is not None else math.nan
     conv_eval_s = conv_eval_s if runner is not None else math.nan
     conv_acc = 100 * conv_eval["test_acc"] if runner is not None else math.nan
-    flops = counter.get_total_flops()  # pflego's own round where there is no conventional one
+    # pflego's own round 0 would count its probe and vmap's padding: no FLOPs without the other
+    flops = counter.get_total_flops() if runner is not None else math.nan
     percent = 100 * flops / train_ours / 1e9 / peak
     cell = lambda value, fmt: "—" if math.isnan(value) else format(value, fmt)  # noqa: E731
     ratio = lambda value: cell(value, ".1f") + ("" if math.isnan(value) else "x")  # noqa: E731
@@ -164,8 +165,8 @@ def against_row(
         ratio(conv_eval_s / eval_s),
         cell(conv_acc, ".2f"),
         f"{100 * record['test_acc']:.2f}",
-        f"{flops / 1e9:.1f}",
-        f"{percent:.0f}%",
+        cell(flops / 1e9, ".1f"),
+        cell(percent, ".0f") + ("" if math.isnan(percent) else "%"),
         targets(model, algorithm, train_conv / train_ours, conv_eval_s / eval_s, percent),
     ]
 
@@ -234,8 +235,8 @@ def against_section(
         f"model on both sides; {torch.get_num_threads()} thread(s), torch {torch.__version__}. "
         f"Training: median of {rounds - 1} round(s) after a warm-up round; evaluation: every "
         f"client's training and test splits; accuracy after {rounds} rounds. GFLOP/round: the "
-        "conventional round's matrix products (torch's FLOP counter; pflego's own where "
-        "benchmarks/conventional.py lacks the algorithm, shown —). backend: what "
+        "conventional round's matrix products (torch's FLOP counter; — where "
+        "benchmarks/conventional.py lacks the algorithm). backend: what "
         "`--backend auto` picked (measured on the first round, src/pflego/sim/backends_auto.py).",
         "",
         f"Matmul peak of this machine in this run: {peak:.0f} GFLOP/s "
