@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -13,6 +14,10 @@ from pflego.algorithms import ALGORITHMS
 from pflego.config import load_config
 from pflego.data import ArrayDataset, download, register
 from pflego.sim import build_experiment
+
+# `--backend auto` picks by measured timings, which vary from run to run: the suite takes the
+# rule's reproducible choice (tests/test_backend_probe.py measures, with injected timings).
+os.environ["PFLEGO_BACKEND_PROBE"] = "0"
 
 # The Ctrl-C tests need Python's SIGINT handler, which a suite started as a background job (`&`)
 # inherits switched off (ignored); their child processes then get the default again.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pflego.bench import add_commands, run_bench, scale_row
+from pflego.bench.against import targets
 
 
 def test_bench_writes_markdown_tables(tmp_path) -> None:
@@ -41,10 +42,12 @@ def test_bench_against_conventional_on_the_same_split(tmp_path) -> None:
         sections=["against"],
         against_rounds=2,
         models=["mlp", "no-such-model"],
-        algorithms=["fedavg", "fedper", "no-such-method"],
+        algorithms=["fedavg", "fedper", "apfl", "no-such-method"],
     )
     assert "Matmul peak of this machine in this run" in report
     assert "| mlp | fedavg | " in report and "| mlp | fedper | " in report
+    assert "| mlp | apfl | " in report and "| — | " in report  # no conventional APFL yet
+    assert "train ≥5x" in report
     assert "model no-such-model is not registered here" in report
     assert "no-such-method is not registered here" in report
 
@@ -57,3 +60,10 @@ def test_bench_scale_row_runs_a_generated_population_in_a_fresh_process() -> Non
     add_commands(parser.add_subparsers())
     args = parser.parse_args(["bench", "--clients", "1000000"])
     assert args.clients == 1_000_000 and args.sections is None
+
+
+def test_bench_targets_are_those_of_issue_26() -> None:
+    assert targets("mlp", "fedavg", 5.1, 4.0, 41.0) == "train ≥5x ✓, eval ≥5x ✗, peak ≥40% ✓"
+    assert targets("mlp", "pfedme", 2.9, 6.0, 1.0) == "train ≥3x ✗, eval ≥5x ✓"
+    assert targets("pgfed-cnn", "ditto", 2.0, 5.0, 1.0) == "train ≥2x ✓, eval ≥5x ✓"
+    assert targets("mlp", "fedprox", 1.0, float("nan"), 1.0) == "train ≥1x ✓, eval ≥5x ✗"

@@ -31,7 +31,31 @@ from pflego.models import ARCHITECTURES
 from pflego.sim import Experiment, Simulation, experiment_on, partition
 
 AGAINST_MODELS = ("mlp", "pgfed-cnn")
-AGAINST_ALGORITHMS = ("fedavg", "fedper", "ditto", "pfedme")
+AGAINST_ALGORITHMS = ("fedavg", "fedper", "ditto", "pfedme", "apfl", "pgfed")
+
+#: Issue 26's targets: training speed-up by model and algorithm (``None``: any algorithm).
+TRAIN_TARGETS = {
+    ("mlp", "fedavg"): 5.0,
+    ("mlp", "fedper"): 5.0,
+    **{("mlp", name): 3.0 for name in ("ditto", "apfl", "pfedme", "pgfed")},
+    ("pgfed-cnn", None): 2.0,
+}
+EVAL_TARGET = 5.0
+PEAK_TARGETS = {("mlp", "fedavg"): 40.0, ("mlp", "fedper"): 40.0}
+
+
+def targets(model: str, algorithm: str, train: float, evaluate: float, peak: float) -> str:
+    """The row's targets beside what it measured, each ✓ or ✗ (NaN, not measured: ✗)."""
+    train_goal = TRAIN_TARGETS.get((model, algorithm), TRAIN_TARGETS.get((model, None), 1.0))
+    checks = [("train", train, train_goal, "x"), ("eval", evaluate, EVAL_TARGET, "x")]
+    if (model, algorithm) in PEAK_TARGETS:
+        checks.append(("peak", peak, PEAK_TARGETS[model, algorithm], "%"))
+    return ", ".join(
+        f"{what} ≥{goal:g}{unit} {'✓' if value >= goal else '✗'}"
+        for what, value, goal, unit in checks
+    )
+
+
 AGAINST_HEADER = [
     "model",
     "algorithm",
@@ -46,6 +70,7 @@ AGAINST_HEADER = [
     "pflego",
     "GFLOP/round",
     "pflego % of peak",
+    "targets (issue 26)",
 ]
 
 
@@ -90,44 +115,59 @@ def conventional_model(conventional: Any, sim: Simulation) -> torch.nn.Module:
 def against_row(
     conventional: Any, base: Experiment, model: str, algorithm: str, rounds: int, peak: float
 ) -> list[str]:
-    """One comparison: both run ``rounds`` rounds of the same cohorts, then evaluate."""
+    """One comparison: both run ``rounds`` rounds of the same cohorts, then evaluate (pflego
+    alone where ``benchmarks/conventional.py`` has no such algorithm)."""
     cfg = base.config.replace(algorithm=algorithm, model=model)
     sim = Simulation(experiment_on(cfg, base.data), None)
-    options = {k: getattr(sim.algorithm, k) for k in conventional.DEFAULTS.get(algorithm, {})}
-    runner = conventional.ConventionalFL(
-        algorithm,
-        conventional_model(conventional, sim),
-        conventional.client_splits(base.data),
-        batch_size=cfg.batch_size,
-        epochs=math.ceil(cfg.local_epochs or 1),
-        lr=cfg.client_lr,
-        options=options,
-        seed=cfg.seed,
-    )
+    runner = None
+    if algorithm in conventional.ALGORITHMS:
+        options = {k: getattr(sim.algorithm, k) for k in conventional.DEFAULTS.get(algorithm, {})}
+        runner = conventional.ConventionalFL(
+            algorithm,
+            conventional_model(conventional, sim),
+            conventional.client_splits(base.data),
+            batch_size=cfg.batch_size,
+            epochs=math.ceil(cfg.local_epochs or 1),
+            lr=cfg.client_lr,
+            options=options,
+            seed=cfg.seed,
+        )
     cohorts = [sim.cohort(t) for t in range(rounds)]
-    with FlopCounterMode(display=False) as counter:  # round 0 also warms both up
-        runner.train_round(0, cohorts[0])
-    sim.run_round(0)
-    conv_s = conventional.time_rounds(runner, cohorts[1:], first_round=1)
+    with FlopCounterMode(display=False) as counter:  # round 0 also warms both up (and probes)
+        if runner is not None:
+            runner.train_round(0, cohorts[0])
+        else:
+            sim.run_round(0)
+    if runner is not None:
+        sim.run_round(0)
+        conv_s = conventional.time_rounds(runner, cohorts[1:], first_round=1)
+        conv_eval, conv_eval_s = timed(runner.evaluate)
     ours = [time_round(sim, t) for t in range(1, rounds)]
-    conv_eval, conv_eval_s = timed(runner.evaluate)
     record, eval_s = timed(lambda: sim.evaluate(rounds))
-    train_conv, train_ours = float(np.median(conv_s)), float(np.median(ours))
-    flops = counter.get_total_flops()
+    train_ours = float(np.median(ours))
+    train_conv = float(np.median(conv_s)) if runner is not None else math.nan
+    conv_eval_s = conv_eval_s if runner is not None else math.nan
+    conv_acc = 100 * conv_eval["test_acc"] if runner is not None else math.nan
+    # pflego's own round 0 would count its probe and vmap's padding: no FLOPs without the other
+    flops = counter.get_total_flops() if runner is not None else math.nan
+    percent = 100 * flops / train_ours / 1e9 / peak
+    cell = lambda value, fmt: "—" if math.isnan(value) else format(value, fmt)  # noqa: E731
+    ratio = lambda value: cell(value, ".1f") + ("" if math.isnan(value) else "x")  # noqa: E731
     return [
         model,
         algorithm,
         sim.backend_name,
-        f"{train_conv:.3f}",
+        cell(train_conv, ".3f"),
         f"{train_ours:.3f}",
-        f"{train_conv / train_ours:.1f}x",
-        f"{conv_eval_s:.2f}",
+        ratio(train_conv / train_ours),
+        cell(conv_eval_s, ".2f"),
         f"{eval_s:.2f}",
-        f"{conv_eval_s / eval_s:.1f}x",
-        f"{100 * conv_eval['test_acc']:.2f}",
+        ratio(conv_eval_s / eval_s),
+        cell(conv_acc, ".2f"),
         f"{100 * record['test_acc']:.2f}",
-        f"{flops / 1e9:.1f}",
-        f"{100 * flops / train_ours / 1e9 / peak:.0f}%",
+        cell(flops / 1e9, ".1f"),
+        cell(percent, ".0f") + ("" if math.isnan(percent) else "%"),
+        targets(model, algorithm, train_conv / train_ours, conv_eval_s / eval_s, percent),
     ]
 
 
@@ -195,7 +235,9 @@ def against_section(
         f"model on both sides; {torch.get_num_threads()} thread(s), torch {torch.__version__}. "
         f"Training: median of {rounds - 1} round(s) after a warm-up round; evaluation: every "
         f"client's training and test splits; accuracy after {rounds} rounds. GFLOP/round: the "
-        "conventional round's matrix products (torch's FLOP counter).",
+        "conventional round's matrix products (torch's FLOP counter; — where "
+        "benchmarks/conventional.py lacks the algorithm). backend: what "
+        "`--backend auto` picked (measured on the first round, src/pflego/sim/backends_auto.py).",
         "",
         f"Matmul peak of this machine in this run: {peak:.0f} GFLOP/s "
         f"(2048 x 2048 float32, {torch.get_num_threads()} thread(s)).",

@@ -15,7 +15,8 @@ from pflego.config import to_dict
 from pflego.environment import CHECKPOINT_FORMAT, pflego_version
 from pflego.history import CheckpointWriter, History, RunDir
 from pflego.rng import first_visit_generator, minibatch_rng, seed_for
-from pflego.sim.backends import FUSED_MIN_SAMPLES, fuses, make_backend, resolve_backend
+from pflego.sim.backends import FUSED_MIN_SAMPLES, Backend, fuses, make_backend, resolve_backend
+from pflego.sim.backends_auto import AutoBackend, auto_backend, probing_enabled
 from pflego.sim.build import Experiment
 from pflego.sim.clients import ClientPool, ClientStore, Cohort, validation_split
 from pflego.sim.evaluation import Evaluation, evaluation_sample
@@ -71,8 +72,7 @@ class Simulation(Evaluation):
                 self.eval_pools["train"] = self.train_pool.select(
                     np.arange(experiment.data.num_clients), self.train_subsample
                 )
-        self.backend_name = resolve_backend(self.cfg.backend, self.device, self.fusion_probe)
-        self.backend = make_backend(self.backend_name, self.algorithm, self.cfg.chunk_size)
+        self.backend: Backend = self.pick_backend()
         self.privacy = Privacy.build(self.cfg, self.algorithm, experiment.data.train_sizes)
         self.records: list[dict[str, Any]] = []
         self.dropped: list[list[int]] = []  # [round, client] of updates left out since the last log
@@ -103,6 +103,27 @@ class Simulation(Evaluation):
     @property
     def run_schedule(self) -> Schedule:
         return Schedule(self.cfg.inner_steps, self.cfg.batch_size, self.cfg.local_epochs)
+
+    #: Whether ``auto`` may measure backends (a distributed run's processes must agree instead).
+    probes_backends = True
+
+    def pick_backend(self) -> Backend:
+        """The configured backend; ``auto`` measures its candidates on the first round it runs
+        (:mod:`pflego.sim.backends_auto`), or without probing follows :func:`resolve_backend`."""
+        cfg = self.cfg
+        if cfg.backend == "auto" and self.probes_backends and probing_enabled():
+            fuses = self.device.type == "cpu" and self.fusion_probe()
+            return auto_backend(self.algorithm, self.device, cfg.chunk_size, fuses)
+        name = resolve_backend(cfg.backend, self.device, self.fusion_probe)
+        self.resolved_backend = name
+        return make_backend(name, self.algorithm, cfg.chunk_size)
+
+    @property
+    def backend_name(self) -> str:
+        """The backend that runs the rounds (``auto`` while its probe has not run yet)."""
+        if isinstance(self.backend, AutoBackend):
+            return self.backend.chosen or "auto"
+        return self.resolved_backend
 
     def fusion_probe(self) -> bool:
         """Whether clients are large enough to train one by one (:data:`FUSED_MIN_SAMPLES`) and
@@ -295,10 +316,12 @@ class Simulation(Evaluation):
 
     def profile_summary(self) -> dict[str, Any]:
         """The profile with the facts that explain it."""
+        probe = self.backend.report() if isinstance(self.backend, AutoBackend) else None
         return self.profile.summary(
             rounds=self.next_round,
             evaluations=len(self.records),
             backend=self.backend_name,
+            **({"backend_probe": probe} if probe else {}),
             threads=torch.get_num_threads(),
             clients=self.exp.data.num_clients,
             evaluated_clients=len(self.eval_ids),
@@ -317,6 +340,7 @@ class Simulation(Evaluation):
             "records": self.records,
             "dropped": self.dropped,
             "seconds": self.seconds,
+            "backend": self.backend_name,
             "config": to_dict(self.cfg),
         }
 
@@ -330,6 +354,9 @@ class Simulation(Evaluation):
         self.seconds = state["seconds"]
         self.dropped = state.get("dropped", [])
         self.store.load_state_dict(state["store"])
+        chosen = state.get("backend")
+        if isinstance(self.backend, AutoBackend) and chosen not in (None, "auto"):
+            self.backend.fix(chosen, "kept from the checkpoint")  # an uninterrupted run's numbers
 
     def checkpoint(self, wait: bool = False) -> None:
         """Write a checkpoint on the background writer (``wait``: and block until it is on disk)."""
@@ -386,11 +413,16 @@ class Simulation(Evaluation):
         )
         first_loss = self.records[0]["train_loss"] if self.records else None
         warned = False
+        probing = isinstance(self.backend, AutoBackend) and self.backend.chosen is None
         for t in range(self.next_round, cfg.rounds):
             start = time.perf_counter()
             with self.profile.part("train"):
                 self.run_round(t)
             self.seconds += time.perf_counter() - start
+            if probing and self.backend.chosen is not None:
+                probing = False
+                if progress and self.speaks:
+                    tqdm.write(f"{bar.desc}: {self.backend.summary()}", file=bar.stream)
             self.next_round = t + 1
             if self.should_evaluate(t + 1):
                 record = self.evaluate(t + 1)

@@ -41,8 +41,11 @@ UPLOAD, METRIC, STATE, WEIGHT, FINITE = "upload:", "metric:", "state:", "weight"
 class ShardedSimulation(Simulation):
     """A :class:`Simulation` whose clients are shared out among the processes of ``group``.
 
-    Rank 0 gets the run directory and writes it; the others write nothing.
+    Rank 0 gets the run directory and writes it; the others write nothing. ``auto`` follows
+    its rule rather than timings, which could differ between the processes.
     """
+
+    probes_backends = False
 
     def __init__(
         self,
