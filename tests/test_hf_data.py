@@ -38,6 +38,7 @@ def _private_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("PFLEGO_CACHE", str(tmp_path / "pflego-cache"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-home" / "datasets")
     datasets.disable_progress_bars()
 
@@ -126,7 +127,8 @@ def test_parquet_table_reads_back_with_named_columns(tmp_path):
     assert data.num_classes == 2 and data.scale == 1.0 and data.sources == [path]
     found = load_dataset(f"hf:{path}", hf_label="species")  # every numeric column but the label
     np.testing.assert_array_equal(
-        found.x_train, np.stack([table[c] for c in ("height", "weight", "site")], 1).astype(np.float32)
+        found.x_train,
+        np.stack([table[c] for c in ("height", "weight", "site")], 1).astype(np.float32),
     )
 
 
@@ -147,6 +149,27 @@ def test_natural_partition_by_a_column(image_folder):
         own = images[[w == writer for w in train["writer"]]]
         assert sorted(map(bytes, held)) == sorted(map(bytes, own))
         assert fed.test_sizes[client] == sum(w == writer for w in test["writer"])
+
+
+def test_label_partitions_and_pachinko_by_a_coarse_column(tmp_path):
+    rng = np.random.default_rng(3)
+    fine = np.arange(120) % 6
+    table = {"x1": rng.normal(size=120).tolist(), "x2": rng.normal(size=120).tolist()}
+    table |= {"fine": fine.tolist(), "coarse": (fine // 3).tolist()}
+    datasets.Dataset.from_dict(table).save_to_disk(str(tmp_path / "nested"))
+    spec = {"dataset": f"hf:{tmp_path / 'nested'}", "hf_label": "fine", "clients": 4, "rounds": 1}
+    data = load_dataset(spec["dataset"], hf_label="fine", hf_coarse="coarse")
+    np.testing.assert_array_equal(data.extra["coarse_train"], fine // 3)
+    np.testing.assert_array_equal(data.extra["fine_train"], fine)
+    pachinko = build_experiment(load_config(spec, hf_coarse="coarse", partition="pachinko")).data
+    assert pachinko.num_clients == 4 and len(set(pachinko.train_sizes.tolist())) == 1
+    for partition, extra in (("classes", {"classes_per_client": 2}), ("dirichlet", {})):
+        fed = build_experiment(load_config(spec, partition=partition, **extra)).data
+        assert fed.num_clients == 4 and fed.num_classes == 6
+        if partition == "classes":
+            assert all(len(c) == 2 for c in fed.class_counts("train"))
+    with pytest.raises(ConfigError, match="coarse and fine labels.*hf_coarse=COLUMN"):
+        build_experiment(load_config(spec, partition="pachinko"))
 
 
 def run(capsys, *argv) -> tuple[int, str]:

@@ -22,7 +22,7 @@ SAMPLING = ("fixed", "bernoulli", "uniform-count")
 LABELS = ("global", "local")
 BACKENDS = ("auto", "vmap", "fused", "loop")
 DTYPES = ("float32", "float64")
-DATASET_SETTINGS = ("hf_label", "hf_features", "hf_client")
+DATASET_SETTINGS = ("hf_label", "hf_features", "hf_client", "hf_coarse")
 MAX_SEED = 2**62  # seeds are offset and passed to torch generators, which take 64-bit integers
 MAX_COUNT = 2**31 - 1  # counts (clients, rounds, steps, sizes) index tensors
 
@@ -36,10 +36,12 @@ class Config:
     data_dir: str | None = None
     model: str = "auto"
     # The columns of an hf: dataset (found when unset): its labels, its inputs (comma-separated)
-    # and the natural client of each sample (a writer id) for partition natural.
+    # the natural client of each sample (a writer id) for partition natural, and coarse labels
+    # (superclasses of the labels) for partition pachinko.
     hf_label: str | None = None
     hf_features: str | None = None
     hf_client: str | None = None
+    hf_coarse: str | None = None
     partition: str = "auto"  # natural for datasets with natural clients, else classes
     classes_per_client: int | str = "high"
     labels: str = "global"

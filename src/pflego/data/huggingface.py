@@ -18,7 +18,9 @@ The dataset's ``train`` and ``test`` splits are used as the official split when 
 test split without labels, as the Hub's benchmarks keep, is left out); otherwise the one split (or
 ``train``) is split per client by ``test_fraction``. ``hf_client`` names a column holding each
 sample's natural client (a writer id): the ``natural`` partitions then give one client per value,
-as FEMNIST's writers. The decoded arrays are cached like every dataset's (``data/cache.py``).
+as FEMNIST's writers. ``hf_coarse`` names a second label column whose classes group the labels'
+classes (CIFAR-100's 20 superclasses of its 100 classes), for the ``pachinko`` partition. The
+decoded arrays are cached like every dataset's (``data/cache.py``).
 """
 
 from __future__ import annotations
@@ -275,23 +277,33 @@ def _inputs(split: Any, columns: list[str], spec: str) -> tuple[np.ndarray, floa
 
 
 def _decode(
-    train: Any, test: Any | None, label: str, inputs: list[str], client: str | None, spec: str
+    splits: dict[str, Any],
+    label: str,
+    inputs: list[str],
+    client: str | None,
+    coarse: str | None,
+    spec: str,
 ) -> dict[str, np.ndarray]:
-    splits = {"train": train} if test is None else {"train": train, "test": test}
-    raw = [_column(split, label) for split in splits.values()]
-    ids, num_classes = _labels(train.features[label], raw, spec, label)
-    out: dict[str, np.ndarray] = {"num_classes": np.array(num_classes)}
+    """The arrays of the ``train`` (and ``test``) split: ``x_``, ``y_``, ``g_`` (clients),
+    ``coarse_`` (coarse labels), with ``num_classes``, ``scale`` and ``group_names``."""
+    features = splits["train"].features
+    out: dict[str, np.ndarray] = {}
+    for column, key in ((label, "y"), (coarse, "coarse")):
+        if column is not None:
+            raw = [_column(split, column) for split in splits.values()]
+            ids, count = _labels(features[column], raw, spec, column)
+            out.update({f"{key}_{name}": y for name, y in zip(splits, ids)})
+            out["num_classes" if key == "y" else "num_coarse"] = np.array(count)
     scale = 1.0
-    for (name, split), y in zip(splits.items(), ids):
+    for name, split in splits.items():
         out[f"x_{name}"], scale = _inputs(split, inputs, spec)
-        out[f"y_{name}"] = y
     out["scale"] = np.array(scale)
     if client is not None:
         values = [_column(split, client) for split in splits.values()]
         names, groups = np.unique(np.concatenate(values).astype(str), return_inverse=True)
         out["group_names"] = names
         out["g_train"] = groups[: len(values[0])]
-        if test is not None:
+        if "test" in splits:
             out["g_test"] = groups[len(values[0]) :]
     return out
 
@@ -303,6 +315,7 @@ def load_hf(
     hf_label: str | None = None,
     hf_features: str | None = None,
     hf_client: str | None = None,
+    hf_coarse: str | None = None,
 ) -> ArrayDataset:
     """The classification dataset ``hf:<spec>`` (see the module's docstring).
 
@@ -313,6 +326,7 @@ def load_hf(
         hf_label: The label column (found when ``None``).
         hf_features: Comma-separated input columns (found when ``None``).
         hf_client: The column of each sample's natural client, if any.
+        hf_coarse: The column of coarse labels (for the pachinko partition), if any.
 
     Raises:
         ConfigError: The ``hf`` extra is missing, or a named column does not exist.
@@ -324,22 +338,27 @@ def load_hf(
     train, test = _train_test(splits, spec)
     features = train.features
     given = [c.strip() for c in hf_features.split(",") if c.strip()] if hf_features else []
-    clients = [hf_client] if hf_client else []
-    _check_columns(features, spec, hf_label=[hf_label] if hf_label else [], hf_features=given)
-    _check_columns(features, spec, hf_client=clients)
+    extra_columns = [c for c in (hf_client, hf_coarse) if c]
+    named = {"hf_label": hf_label, "hf_client": hf_client, "hf_coarse": hf_coarse}
+    _check_columns(features, spec, hf_features=given, **{k: [v] for k, v in named.items() if v})
     label = hf_label or find_label(features, spec)
-    label_kind(features[label], spec, label)
-    inputs = given or find_inputs(features, {label, *clients}, spec)
-    if test is not None and not set([label, *inputs, *clients]) <= set(test.features):
+    for column in (label, hf_coarse):
+        if column is not None:
+            label_kind(features[column], spec, column)
+    inputs = given or find_inputs(features, {label, *extra_columns}, spec)
+    if test is not None and not {label, *inputs, *extra_columns} <= set(test.features):
         raise DataError(f"hf:{spec}: its test split lacks columns of its train split; resave it")
     if test is not None and _unlabeled(_column(test, label)):
         test = None  # the Hub's benchmarks keep their test labels secret: pflego splits train
-    choice = "|".join([spec, label, ",".join(inputs), hf_client or "", str(test is not None)])
+    splits = {"train": train} if test is None else {"train": train, "test": test}
+    choice = "|".join(
+        [spec, label, ",".join(inputs), str(hf_client), str(hf_coarse), str(test is None)]
+    )
     name = "hf-" + re.sub(r"[^\w.-]+", "-", spec).strip("-")[-40:]
     name += "-" + hashlib.sha1(choice.encode()).hexdigest()[:8]
 
     def decode() -> dict[str, np.ndarray]:
-        return _decode(train, test, label, inputs, hf_client, spec)
+        return _decode(splits, label, inputs, hf_client, hf_coarse, spec)
 
     a = cached_arrays(name, DECODER_VERSION, sources, decode) if sources else decode()
     return ArrayDataset(
@@ -352,5 +371,17 @@ def load_hf(
         scale=float(a["scale"]),
         groups_train=a.get("g_train"),
         groups_test=a.get("g_test"),
-        extra={"group_names": a["group_names"].tolist()} if "group_names" in a else {},
+        extra=_extra(a),
     )
+
+
+def _extra(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The natural clients' names, and fine and coarse labels for the pachinko partition."""
+    extra: dict[str, Any] = {}
+    if "group_names" in arrays:
+        extra["group_names"] = arrays["group_names"].tolist()
+    for split in ("train", "test"):
+        if f"coarse_{split}" in arrays:
+            extra[f"fine_{split}"] = arrays[f"y_{split}"]
+            extra[f"coarse_{split}"] = arrays[f"coarse_{split}"]
+    return extra
