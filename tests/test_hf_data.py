@@ -232,3 +232,10 @@ def test_missing_extra_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setattr(builtins, "__import__", no_datasets)
     with pytest.raises(ConfigError, match=r"pip install 'pflego\[hf\]'"):
         load_dataset(f"hf:{tmp_path}")
+
+
+def test_default_run_directory_names_a_path_dataset_in_one_folder():
+    from pflego.sim.checkpoints import default_out
+
+    out = default_out(load_config(dataset="hf:/data/sets/my set"))
+    assert out.parent.name == "runs" and out.name.startswith("pflego-hf-data-sets-my-set-")
