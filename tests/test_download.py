@@ -1,4 +1,5 @@
-"""The downloader against a local HTTP server on 127.0.0.1 (the only network the tests touch)."""
+"""Downloads (through pooch) against a local HTTP server on 127.0.0.1 (the only network the tests
+touch)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 from functools import partial
 from pathlib import Path
 
+import pooch
 import pytest
 from data_formats import IDX_NAMES, mnist_arrays, write_idx_set
 
@@ -45,6 +47,12 @@ def sha256(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def published(path: Path, checksum: str) -> bool:
+    """Whether the file at ``path`` has the checksum ``"<algorithm>:<hex digest>"`` (by pooch)."""
+    algorithm, _, digest = checksum.partition(":")
+    return pooch.file_hash(str(path), alg=algorithm) == digest
+
+
 def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
 
@@ -56,7 +64,7 @@ def test_fetch_verifies_checksum(server, tmp_path, digest):
     (www / "file.bin").write_bytes(payload)
     remote = dl.Remote("file.bin", (base + "file.bin",), digest(payload))
     path = dl.fetch(remote, tmp_path / "data")
-    assert path.read_bytes() == payload and dl.file_checksum_ok(path, remote.checksum)
+    assert path.read_bytes() == payload and published(path, remote.checksum)
 
 
 def test_checksum_mismatch_leaves_nothing(server, tmp_path):
@@ -75,6 +83,17 @@ def test_falls_back_to_mirror(server, tmp_path):
     (www / "mirror" / "file.bin").write_bytes(b"abc")
     remote = dl.Remote("file.bin", (base + "gone/file.bin", base + "mirror/file.bin"), md5(b"abc"))
     assert dl.fetch(remote, tmp_path / "data").read_bytes() == b"abc"
+    assert leftovers(tmp_path / "data") == ["file.bin"]
+
+
+def test_every_url_failing_names_each_failure(server, tmp_path):
+    base, _ = server
+    remote = dl.Remote("f.bin", (base + "gone/f.bin", "http://127.0.0.1:9/f.bin"), md5(b""))
+    with pytest.raises(DataError) as exc:
+        dl.fetch(remote, tmp_path / "data")
+    message = str(exc.value)
+    assert "\n" not in message and "cannot download f.bin" in message
+    assert f"{base}gone/f.bin: HTTP 404" in message and "127.0.0.1:9/f.bin: [Errno" in message
 
 
 def test_unreachable_server_is_a_one_line_error(tmp_path):
@@ -132,4 +151,4 @@ def test_shared_mnist_matches_published_checksums():
     if not folder.is_dir():
         pytest.skip(f"no shared MNIST copy at {folder}")
     for r in dl.REMOTES["mnist"]:
-        assert dl.file_checksum_ok(folder / r.filename, r.checksum), r.filename
+        assert published(folder / r.filename, r.checksum), r.filename

@@ -24,6 +24,7 @@ BACKENDS = ("auto", "vmap", "fused", "loop")
 DTYPES = ("float32", "float64")
 #: Experiment trackers of the ``log`` setting -> the module each needs (its extra has its name).
 TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+DATASET_SETTINGS = ("hf_label", "hf_features", "hf_client", "hf_coarse")
 MAX_SEED = 2**62  # seeds are offset and passed to torch generators, which take 64-bit integers
 MAX_COUNT = 2**31 - 1  # counts (clients, rounds, steps, sizes) index tensors
 
@@ -33,9 +34,16 @@ class Config:
     """Everything that defines a run. Field names are the YAML keys and ``--set`` names."""
 
     algorithm: str = "pflego"
-    dataset: str = "mnist5k"
+    dataset: str = "mnist5k"  # or hf:NAME[:CONFIG], hf:FOLDER, hf:FILE.parquet (Hugging Face)
     data_dir: str | None = None
     model: str = "auto"
+    # The columns of an hf: dataset (found when unset): its labels, its inputs (comma-separated)
+    # the natural client of each sample (a writer id) for partition natural, and coarse labels
+    # (superclasses of the labels) for partition pachinko.
+    hf_label: str | None = None
+    hf_features: str | None = None
+    hf_client: str | None = None
+    hf_coarse: str | None = None
     partition: str = "auto"  # natural for datasets with natural clients, else classes
     classes_per_client: int | str = "high"
     labels: str = "global"
@@ -88,6 +96,11 @@ class Config:
     def replace(self, **changes: Any) -> Config:
         """A validated copy with some fields changed."""
         return from_dict({**to_dict(self), **changes})
+
+    def dataset_settings(self) -> dict[str, str]:
+        """The settings set for the dataset's loader (the ``hf_`` columns of an ``hf:`` dataset)."""
+        values = {name: getattr(self, name) for name in DATASET_SETTINGS}
+        return {name: value for name, value in values.items() if value is not None}
 
     def validate(self) -> Config:
         """Check ranges and choices; returns ``self`` so calls chain."""
@@ -151,6 +164,12 @@ class Config:
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"momentum={self.momentum} must lie in [0, 1)")
         self.check_cohort_range()
+        if self.dataset_settings() and not self.dataset.startswith("hf:"):
+            name, value = next(iter(self.dataset_settings().items()))
+            raise ConfigError(
+                f"{name}={value} names a column of a Hugging Face dataset, but dataset="
+                f"{self.dataset} is not one (hf:NAME); unset it"
+            )
         for name, choices in (
             ("sampling", SAMPLING),
             ("labels", LABELS),

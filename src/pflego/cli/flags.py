@@ -197,14 +197,14 @@ def choices() -> dict[str, list[str]]:
     """The allowed values of the settings that have a fixed set of them (shown in ``--help``)."""
     from pflego.algorithms import ALGORITHMS
     from pflego.config import BACKENDS, SAMPLING
-    from pflego.data import DATASETS
+    from pflego.data import DATASETS, FAMILIES
     from pflego.data.partition import PARTITIONS
     from pflego.models import ARCHITECTURES
     from pflego.optim import OPTIMIZERS
 
     return {
         "algorithm": sorted(ALGORITHMS),
-        "dataset": sorted(DATASETS),
+        "dataset": [*sorted(DATASETS), *(family.usage for family in FAMILIES.values())],
         "model": ["auto", *sorted(ARCHITECTURES)],
         "partition": list(PARTITIONS),
         "sampling": list(SAMPLING),

@@ -23,7 +23,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from pflego.algorithms import ALGORITHMS, hyperparameters
-    from pflego.data import DATASETS
+    from pflego.data import DATASETS, FAMILIES
     from pflego.models import ARCHITECTURES
 
     print("algorithms (default step sizes, then options):")
@@ -36,6 +36,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     width = max(map(len, DATASETS), default=0)
     for name, info in sorted(DATASETS.items()):
         print(f"  {name:{width}s}  {info.description} (model: {info.default_model})")
+    for family in FAMILIES.values():
+        print(f"  {family.usage}  {family.description}")
     print("models:", ", ".join(sorted(ARCHITECTURES)), "or mlp<N> (N hidden units)")
     return 0
 

@@ -37,6 +37,20 @@ class DatasetInfo:
 DATASETS: dict[str, DatasetInfo] = {}
 
 
+@dataclass(frozen=True)
+class DatasetFamily:
+    """Datasets named ``<prefix>:<rest>`` (``hf:mnist``): ``info`` makes a rest's DatasetInfo."""
+
+    prefix: str
+    usage: str
+    description: str
+    info: Callable[[str], DatasetInfo]
+
+
+#: Families of datasets named by a prefix, by prefix.
+FAMILIES: dict[str, DatasetFamily] = {}
+
+
 def register(name: str, default_model: str, needs_data_dir: bool, description: str):
     """Decorator that adds a loader to the registry under ``name``."""
 
@@ -49,13 +63,42 @@ def register(name: str, default_model: str, needs_data_dir: bool, description: s
     return wrap
 
 
-def load_dataset(name: str, data_dir: str | Path | None = None, seed: int = 0) -> ArrayDataset:
-    """Load a registered dataset by name."""
-    if name not in DATASETS:
-        raise ConfigError(f"unknown dataset {name!r}; choose one of {', '.join(sorted(DATASETS))}")
+def register_family(prefix: str, usage: str, description: str):
+    """Decorator that adds a family of datasets named ``<prefix>:...`` (``usage`` shows how)."""
+
+    def wrap(fn: Callable[[str], DatasetInfo]) -> Callable[[str], DatasetInfo]:
+        FAMILIES[prefix] = DatasetFamily(prefix, usage, description, fn)
+        return fn
+
+    return wrap
+
+
+def dataset_info(name: str) -> DatasetInfo:
+    """The registered dataset ``name``, or a member of a family (``hf:...``).
+
+    Raises:
+        ConfigError: No such dataset, in one line listing the choices.
+    """
+    if name in DATASETS:
+        return DATASETS[name]
+    prefix, sep, rest = name.partition(":")
+    if sep and rest and prefix in FAMILIES:
+        return FAMILIES[prefix].info(rest)
+    usages = [family.usage for family in FAMILIES.values()]
+    raise ConfigError(
+        f"unknown dataset {name!r}; choose one of {', '.join([*sorted(DATASETS), *usages])}"
+    )
+
+
+def load_dataset(
+    name: str, data_dir: str | Path | None = None, seed: int = 0, **settings: str
+) -> ArrayDataset:
+    """Load a registered dataset by name; ``settings`` go to its loader (an ``hf:`` dataset's
+    ``hf_label``, ``hf_features``, ``hf_client``: ``Config.dataset_settings()``)."""
+    info = dataset_info(name)
     root = Path(data_dir) if data_dir is not None else default_data_dir()
     with recording_sources() as sources:
-        dataset = DATASETS[name].loader(root, seed=seed)
+        dataset = info.loader(root, seed=seed, **settings)
     dataset.sources = list(dict.fromkeys(sources))
     return dataset
 

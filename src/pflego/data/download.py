@@ -1,9 +1,11 @@
-"""Official download locations and checksums, a verified downloader, and checks of local copies.
+"""The registry of official download locations and checksums, fetched with pooch, and checks of
+local copies.
 
 Files are fetched only when they are missing, the loader asks for them, and downloads are not
-switched off (``PFLEGO_NO_DOWNLOAD=1``). A file is streamed into a temporary file next to its
-destination while its checksum is computed, and renamed into place only when the checksum matches
-the published one, so a failed or interrupted download never leaves a partial file behind.
+switched off (``PFLEGO_NO_DOWNLOAD=1``). pooch streams a file into a temporary file next to its
+destination, checks it against the published checksum and only then moves it into place, so a
+failed or interrupted download never leaves a partial file behind; the URLs of a file are tried
+in order (the official location, then its mirrors), with pooch's progress bar on a terminal.
 
 An official file found locally is checked against its published checksum too (once per process):
 a mismatch is an error naming the file, or only a warning with ``--no-verify``
@@ -13,15 +15,13 @@ a mismatch is an error naming the file, or only a warning with ``--no-verify``
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
-import tempfile
-import urllib.error
-import urllib.request
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+import pooch
 
 from pflego.errors import DataError
 
@@ -30,7 +30,6 @@ log = logging.getLogger("pflego.data")
 NO_DOWNLOAD_ENV = "PFLEGO_NO_DOWNLOAD"
 NO_VERIFY_ENV = "PFLEGO_NO_VERIFY"
 TIMEOUT_S = 30.0
-CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class Remote:
     Attributes:
         filename: Name of the file on disk.
         urls: Official location first, then mirrors.
-        checksum: ``"md5:<hex>"`` or ``"sha256:<hex>"``, as published.
+        checksum: ``"md5:<hex>"`` or ``"sha256:<hex>"``, as published (pooch's ``known_hash``).
     """
 
     filename: str
@@ -133,28 +132,16 @@ def verification_enabled() -> bool:
     return os.environ.get(NO_VERIFY_ENV, "") in ("", "0")
 
 
-def _hasher(checksum: str) -> tuple[Any, str]:
-    algo, _, digest = checksum.partition(":")
-    if algo not in ("md5", "sha256") or not digest:
-        raise ValueError(f"bad checksum spec {checksum!r}")
-    return hashlib.new(algo), digest.lower()
+def file_digest(path: Path, algorithm: str) -> str:
+    """The ``algorithm`` digest (``"md5"``, ``"sha256"``) of the file at ``path``, by pooch.
 
-
-def file_digest(path: Path, checksum: str) -> str:
-    """The digest of the file at ``path``, by the algorithm of ``checksum`` (md5 or sha256)."""
-    h, _ = _hasher(checksum)
+    Raises:
+        DataError: The file cannot be read.
+    """
     try:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(CHUNK), b""):
-                h.update(block)
+        return pooch.file_hash(str(path), alg=algorithm)
     except OSError as exc:
         raise DataError(f"cannot read {path} ({exc.strerror or exc}); replace it") from None
-    return h.hexdigest()
-
-
-def file_checksum_ok(path: Path, checksum: str) -> bool:
-    """Whether the file at ``path`` has the published checksum."""
-    return file_digest(path, checksum) == _hasher(checksum)[1]
 
 
 #: Local files already checked in this process: (path, size, mtime) -> their digest.
@@ -183,7 +170,7 @@ def verify_local(key: str, path: Path) -> Path:
     algo, _, published = remote.checksum.partition(":")
     stamp = _stamp(path)
     if stamp not in _digests:
-        _digests[stamp] = file_digest(path, remote.checksum)
+        _digests[stamp] = file_digest(path, algo)
     if _digests[stamp] == published.lower():
         return path
     if verification_enabled():
@@ -202,24 +189,28 @@ def verify_local(key: str, path: Path) -> Path:
     return path
 
 
-def _fetch_url(url: str, dest: Path, checksum: str) -> None:
-    h, digest = _hasher(checksum)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}-", suffix=".part", dir=dest.parent)
+def _failure(exc: BaseException) -> str:
+    """Why a download failed, in one line: the HTTP status, or the innermost network error."""
+    response = getattr(exc, "response", None)
+    if response is not None:
+        return f"HTTP {response.status_code} {response.reason}"
+    while (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _retrieve(remote: Remote, url: str, folder: Path) -> None:
+    """Download ``url`` into ``folder`` as ``remote.filename`` through pooch (atomic, verified)."""
+    pooch.get_logger().setLevel(logging.WARNING)  # pflego logs the download itself
+    downloader = pooch.HTTPDownloader(progressbar=sys.stderr.isatty(), timeout=TIMEOUT_S)
     try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=TIMEOUT_S) as resp:
-            for block in iter(lambda: resp.read(CHUNK), b""):
-                h.update(block)
-                out.write(block)
-        if h.hexdigest() != digest:
-            raise DataError(
-                f"download of {url} does not match its published checksum "
-                f"({checksum.split(':')[0]} {h.hexdigest()} != {digest}); try again later or put the "
-                f"official file at {dest}"
-            )
-        os.replace(tmp, dest)
-        _digests[_stamp(dest)] = digest
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+        pooch.retrieve(url, remote.checksum, remote.filename, str(folder), downloader=downloader)
+    except ValueError:  # pooch's checksum mismatch (it has deleted the download already)
+        raise DataError(
+            f"download of {url} does not match its published checksum ({remote.checksum}); try "
+            f"again later or put the official file at {folder / remote.filename}"
+        ) from None
+    _digests[_stamp(folder / remote.filename)] = remote.checksum.partition(":")[2].lower()
 
 
 def fetch(remote: Remote, folder: Path) -> Path:
@@ -228,14 +219,15 @@ def fetch(remote: Remote, folder: Path) -> Path:
     Raises:
         DataError: Downloads are off, every URL failed, or the checksum does not match.
     """
-    dest = Path(folder) / remote.filename
+    folder = Path(folder)
+    dest = folder / remote.filename
     if not downloads_enabled():
         raise DataError(
             f"downloads are off ({NO_DOWNLOAD_ENV}=1); put {remote.filename} in {folder}"
         )
-    created = [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]
+    created = [p for p in (folder, *folder.parents) if not p.exists()]
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DataError(f"cannot create {folder} ({exc}); pass a writable --data-dir") from None
     errors = []
@@ -243,10 +235,10 @@ def fetch(remote: Remote, folder: Path) -> Path:
         for url in remote.urls:
             log.info("downloading %s", url)
             try:
-                _fetch_url(url, dest, remote.checksum)
+                _retrieve(remote, url, folder)
                 return dest
-            except (urllib.error.URLError, OSError, TimeoutError) as exc:
-                errors.append(f"{url}: {getattr(exc, 'reason', exc)}")
+            except OSError as exc:  # requests' errors are OSErrors
+                errors.append(f"{url}: {_failure(exc)}")
         raise DataError(f"cannot download {remote.filename} ({'; '.join(errors)})")
     finally:
         for path in created:  # leave no empty folders behind after a failed download

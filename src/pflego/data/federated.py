@@ -485,7 +485,8 @@ def _federate_pachinko(
     if fine is None or coarse is None:
         raise ConfigError(
             f"the pachinko partition needs coarse and fine labels, which {data.name} lacks; "
-            "use cifar100 or cifar100-coarse"
+            "use cifar100 or cifar100-coarse, or name an hf: dataset's coarse labels with "
+            "--set hf_coarse=COLUMN"
         )
     fine_all, coarse_all = fine, coarse
     if data.x_test is not None:

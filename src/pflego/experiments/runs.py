@@ -241,17 +241,14 @@ def checked_config(values: dict[str, Any]) -> Config:
     """A validated config whose algorithm, options, dataset and model names all exist, with the
     step sizes resolved as the run's ``config.yaml`` will record them."""
     from pflego.algorithms import ALGORITHMS
-    from pflego.data import DATASETS
+    from pflego.data import dataset_info
     from pflego.models import architecture
     from pflego.sim import with_step_sizes
 
     config = from_dict(values)
     check_options(config.algorithm, config.options)
     check_settings(config)
-    if config.dataset not in DATASETS:
-        raise ConfigError(
-            f"unknown dataset {config.dataset!r}; choose one of {', '.join(sorted(DATASETS))}"
-        )
+    dataset_info(config.dataset)
     if config.model != "auto":
         architecture(config.model)
     return with_step_sizes(config, ALGORITHMS[config.algorithm])

@@ -15,7 +15,7 @@ import torch
 from pflego.algorithms import ALGORITHMS, Algorithm, build_algorithm
 from pflego.algorithms.base import check_settings
 from pflego.config import Config
-from pflego.data import DATASETS, ArrayDataset, FederatedData, federate, load_dataset
+from pflego.data import ArrayDataset, FederatedData, dataset_info, federate, load_dataset
 from pflego.data.stream import POPULATIONS
 from pflego.environment import environment
 from pflego.errors import ConfigError
@@ -108,7 +108,9 @@ def build_algorithm_for(
 ) -> Algorithm:
     """The run's model and algorithm for inputs of ``input_shape``, C = ``num_classes`` labels
     and personal heads over up to K_max = ``max_classes`` local classes (no data needed)."""
-    model_name = DATASETS[config.dataset].default_model if config.model == "auto" else config.model
+    model_name = (
+        dataset_info(config.dataset).default_model if config.model == "auto" else config.model
+    )
     model = build_model(model_name, input_shape, num_classes, max_classes)
     check_settings(config)
     return build_algorithm(
@@ -127,15 +129,14 @@ def build_experiment(config: Config) -> Experiment:
         raise ConfigError(
             f"unknown algorithm {config.algorithm!r}; choose one of {', '.join(sorted(ALGORITHMS))}"
         )
-    if config.dataset not in DATASETS:
-        raise ConfigError(
-            f"unknown dataset {config.dataset!r}; choose one of {', '.join(sorted(DATASETS))}"
-        )
+    dataset_info(config.dataset)  # an unknown dataset fails here, before any data is loaded
     check_settings(config)  # before any data is loaded
     if config.dataset in POPULATIONS:  # generated client by client: nothing to load
         data = POPULATIONS[config.dataset](config.clients, config.seed, config.test_fraction)
         return experiment_on(config, data)
-    raw = load_dataset(config.dataset, config.data_dir, seed=config.seed)
+    raw = load_dataset(
+        config.dataset, config.data_dir, seed=config.seed, **config.dataset_settings()
+    )
     return experiment_on(config, partition(raw, config), raw.sources)
 
 

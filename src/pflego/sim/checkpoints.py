@@ -3,6 +3,7 @@ exactly the numbers of an uninterrupted run) or extend a finished one."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,7 +20,8 @@ from pflego.sim.rounds import Simulation
 
 def default_out(config: Config) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{config.algorithm}-{config.dataset}-{stamp}"
+    dataset = re.sub(r"[^\w.-]+", "-", config.dataset).strip("-")  # hf:/a/b -> hf-a-b
+    return Path("runs") / f"{config.algorithm}-{dataset}-{stamp}"
 
 
 def run_experiment(
