@@ -25,6 +25,8 @@ DTYPES = ("float32", "float64")
 #: Experiment trackers of the ``log`` setting -> the module each needs (its extra has its name).
 TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 DATASET_SETTINGS = ("hf_label", "hf_features", "hf_client", "hf_coarse")
+#: What a run whose training loss explodes (finite) does: stop with exit code 3, or warn.
+DIVERGENCE = ("stop", "warn")
 MAX_SEED = 2**62  # seeds are offset and passed to torch generators, which take 64-bit integers
 MAX_COUNT = 2**31 - 1  # counts (clients, rounds, steps, sizes) index tensors
 
@@ -78,6 +80,7 @@ class Config:
     eval_clients: int | None = None
     eval_train_samples: int | None = None
     checkpoint_every: int = 10
+    divergence: str = "stop"  # stop: exit 3 when the loss explodes (pflego.sim.guards); warn
     backend: str = "auto"
     chunk_size: int | None = None
     device: str = "cpu"
@@ -175,6 +178,7 @@ class Config:
             ("labels", LABELS),
             ("backend", BACKENDS),
             ("dtype", DTYPES),
+            ("divergence", DIVERGENCE),
         ):
             if getattr(self, name) not in choices:
                 raise ConfigError(

@@ -17,6 +17,7 @@ class DataError(PflegoError):
 
 
 class DivergedError(PflegoError):
-    """Training produced non-finite shared parameters; the CLI exits with code 3."""
+    """Training diverged (non-finite parameters or updates, or a finite loss explosion under
+    ``divergence=stop``); the CLI exits with code 3."""
 
     exit_code = 3

@@ -32,7 +32,16 @@ from pflego.experiments.runs import MANIFEST, Plan, PlannedRun, read_manifest
 
 FORMATS = ("md", "csv", "latex")
 #: Settings never shown as differences between rows (bookkeeping, not the experiment).
-BOOKKEEPING = ("algorithm", "seed", "out", "data_dir", "device", "chunk_size", "checkpoint_every")
+BOOKKEEPING = (
+    "algorithm",
+    "seed",
+    "out",
+    "data_dir",
+    "device",
+    "chunk_size",
+    "checkpoint_every",
+    "divergence",
+)
 
 
 @dataclass

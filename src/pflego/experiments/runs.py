@@ -28,7 +28,7 @@ from pflego.history import EXPERIMENT_MANIFEST, History
 MANIFEST = EXPERIMENT_MANIFEST
 DIVERGED = "diverged.json"
 #: Settings a finished or stopped run may differ in from its plan (``rounds`` only upwards).
-RESUMABLE_KEYS = ("data_dir", "device", "out", "rounds")
+RESUMABLE_KEYS = ("data_dir", "device", "divergence", "out", "rounds")
 
 
 @dataclass(frozen=True)

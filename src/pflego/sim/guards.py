@@ -1,12 +1,13 @@
 """What keeps a run's state whole: Ctrl-C held while state is written, the checks that stop a
-run whose updates or server parameters stop being finite, and a round's updates as they are
-checked (:class:`Updates`)."""
+run whose updates or server parameters stop being finite or whose training loss explodes, and a
+round's updates as they are checked (:class:`Updates`)."""
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -54,6 +55,68 @@ def check_finite_server(server: ServerState, t: int, ctx: RoundContext) -> None:
             f"the server's parameters became non-finite in round {t} ({step_sizes(ctx)}); "
             "lower the step sizes (the run directory keeps the last good checkpoint)"
         )
+
+
+#: A run diverged when its training loss exceeds this many times its scale ...
+DIVERGENCE_FACTOR = 100.0
+#: ... at this many consecutive evaluations.
+DIVERGENCE_EVALUATIONS = 2
+
+
+def divergence_threshold(first_loss: float | None, classes: int) -> float:
+    """The training loss above which an evaluation counts towards divergence.
+
+    It is ``DIVERGENCE_FACTOR`` (100) times the larger of the run's first evaluated training loss
+    and ``log(classes)``, the cross-entropy of a uniform guess over the head's classes. Why:
+
+    * A trained classifier's loss lies below a uniform guess's; 100 x log C (230 for 10
+      classes, 69 for 2) means the true class gets probability e^-230 on average: the logits
+      have blown up. No run that learns passes it, while the explosions seen here pass it
+      within a few evaluations (issue 25: 0.69 to 7.4e5 by round 10, a factor 1e6).
+    * The ``log C`` floor keeps a run that starts with a small loss (a warm start, a model
+      whose initial guess is already good) from being stopped by a factor of its tiny first
+      value; the ratio keeps the rule meaningful for losses that do not start near ``log C``.
+    * 100 rather than 1000: either stops every explosion seen here (they grow by 1e5 and more),
+      and 100 stops them two evaluations sooner, before hours of a GPU run are spent on them.
+
+    Args:
+        first_loss: The run's first evaluated training loss (round 0: the initial model), or
+            ``None`` before it is known.
+        classes: Width of the head (C); below 2 there is no chance level and only the ratio
+            applies.
+
+    Returns:
+        The threshold; ``inf`` when ``first_loss`` is unknown or not finite (the rule does not
+        apply).
+    """
+    if first_loss is None or not math.isfinite(first_loss):
+        return math.inf
+    chance = math.log(classes) if classes >= 2 else 0.0
+    return DIVERGENCE_FACTOR * max(first_loss, chance)
+
+
+def loss_diverged(
+    losses: Sequence[float], threshold: float, evaluations: int = DIVERGENCE_EVALUATIONS
+) -> bool:
+    """Whether the last ``evaluations`` training losses all exceed ``threshold``.
+
+    Requiring consecutive evaluations lets a run whose loss spikes once and recovers go on. A
+    NaN loss does not count (non-finite parameters and updates have their own checks); an
+    infinite one does.
+    """
+    recent = losses[-evaluations:] if evaluations > 0 else []
+    return len(recent) == evaluations > 0 and all(loss > threshold for loss in recent)
+
+
+def loss_exploded(
+    first_loss: float, loss: float, completed: int, ctx: RoundContext
+) -> DivergedError:
+    """The error of a run whose training loss grew past :func:`divergence_threshold`."""
+    return DivergedError(
+        f"the training loss grew from {first_loss:.4g} to {loss:.4g} by round {completed} "
+        f"({step_sizes(ctx)}); lower the step sizes, or --set divergence=warn to train on "
+        "(the run directory keeps its last checkpoint)"
+    )
 
 
 def finite_rows(*stacked: dict[str, Tensor]) -> Tensor:

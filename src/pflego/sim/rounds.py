@@ -24,9 +24,12 @@ from pflego.sim.guards import (
     Updates,
     check_finite_server,
     deferred_interrupts,
+    divergence_threshold,
     every_update_non_finite,
     finite_rows,
     finite_states,
+    loss_diverged,
+    loss_exploded,
     rows,
 )
 from pflego.sim.metrics import build_pools
@@ -412,6 +415,7 @@ class Simulation(Evaluation):
             f"{cfg.algorithm} on {cfg.dataset}", self.next_round, cfg.rounds, progress
         )
         first_loss = self.records[0]["train_loss"] if self.records else None
+        threshold = divergence_threshold(first_loss, self.algorithm.head_width)
         warned = False
         probing = isinstance(self.backend, AutoBackend) and self.backend.chosen is None
         for t in range(self.next_round, cfg.rounds):
@@ -434,7 +438,17 @@ class Simulation(Evaluation):
                         f"pflego: warning: the training loss grew from {first_loss:.4g} to "
                         f"{loss:.4g} by round {t + 1}; the step sizes may be too large"
                     )
+                self.check_loss(first_loss, threshold, t + 1)
             if (t + 1) % cfg.checkpoint_every == 0 or t + 1 == cfg.rounds:
                 self.checkpoint()
             bar.advance()
         bar.close()
+
+    def check_loss(self, first_loss: float, threshold: float, completed: int) -> None:
+        """Stop the run (``DivergedError``) when its training loss has stayed past
+        ``threshold`` (:func:`~pflego.sim.guards.divergence_threshold`) for
+        ``DIVERGENCE_EVALUATIONS`` evaluations, unless ``divergence=warn``. Every process of a
+        distributed run holds the same records, so all stop together."""
+        losses = [record["train_loss"] for record in self.records]
+        if self.cfg.divergence == "stop" and loss_diverged(losses, threshold):
+            raise loss_exploded(first_loss, losses[-1], completed, self.context(completed - 1))

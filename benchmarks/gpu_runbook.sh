@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# GPU run-book: the CNN reproductions that do not fit on a CPU, in priority order, and a smoke
+# test to run first on any new GPU machine.
+#
+# Usage (from the repository root, pflego installed or PYTHONPATH=src):
+#   bash benchmarks/gpu_runbook.sh --smoke [DEVICE]    every algorithm 2 rounds + the CNN bench
+#   bash benchmarks/gpu_runbook.sh --list              the run-book: preset, blocks, hours
+#   bash benchmarks/gpu_runbook.sh --dry-run [DEVICE]  print the run-book's commands, run nothing
+#   bash benchmarks/gpu_runbook.sh [DEVICE]            run the run-book, in priority order
+#   bash benchmarks/gpu_runbook.sh --only N [DEVICE]   run entry N of --list alone (1-based)
+# DEVICE: cuda (default), cuda:N or cpu.
+#
+# Every run-book command is a `pflego reproduce` with a fixed --out: rerunning the script (or
+# one of its lines) skips finished runs and resumes stopped ones from their checkpoints, so a
+# machine lent for a few hours works through the list over several sittings. Results land in
+# $RUNBOOK_OUT/<preset>[-<blocks>]/ (report.md, report.csv, report.png, one directory per run);
+# commit them under results/ as blocks finish.
+#
+# Environment:
+#   PFLEGO_DATA      folder with cifar-10-batches-py/, omniglot/ (default ~/.cache/pflego/data)
+#   RUNBOOK_OUT      where results land (default runs/gpu)
+#   RUNBOOK_JOBS     runs trained at once (default 1; small CNNs leave a GPU idle: try 2-4)
+#   RUNBOOK_DEVICES  devices given to the jobs round-robin (default DEVICE), e.g. cuda:0,cuda:1
+#   RUNBOOK_PYTHON   the Python that has pflego (default python)
+#   RUNBOOK_SMOKE_ROUNDS  rounds of each smoke run (default 2)
+#   RUNBOOK_SMOKE_TINY=1  the smoke test sized for a CPU (about 5 minutes on 2 shared cores): the
+#                    CNN bench on mnist5k, a few clients and a fraction of an epoch, and no
+#                    --quick of the run-book presets
+#
+# Expected hours on one GPU are ESTIMATES, not measurements (docs/gpu.md shows the arithmetic):
+# where a paper gives its own GPU's seconds per round (PFLEGO's arXiv Table 3 for Omniglot, PGFed's
+# Table 7 images/s on a V100) they are scaled to the run-book's rounds and methods; elsewhere the
+# CPU seconds per round measured here (2 shared cores) divided by an assumed 20x GPU speed-up.
+# Evaluation and checkpoints come on top. Replace them with the smoke test's timings once measured.
+set -euo pipefail
+
+PY=${RUNBOOK_PYTHON:-python}
+OUT=${RUNBOOK_OUT:-runs/gpu}
+JOBS=${RUNBOOK_JOBS:-1}
+SMOKE_ROUNDS=${RUNBOOK_SMOKE_ROUNDS:-2}
+DATA=${PFLEGO_DATA:-$HOME/.cache/pflego/data}
+
+# The run-book, in priority order: preset | blocks (- for all) | rows (- for all) |
+# estimated GPU hours | what it reproduces.
+RUNBOOK=(
+  "pflego-omniglot|-|-|30|PFLEGO Table 2: 8 methods x 1000 rounds, conv4, 50 alphabets"
+  "pgfed-cifar10|25|-|14|PGFed Tables 1-3, the 25-client block: 15 methods x 300 rounds"
+  "fedem-table2|cifar10|-|5|FedEM Table 2, CIFAR-10: 7 methods x 200 rounds, MobileNet-v2"
+  "fedem-table3|cifar10|-|6|FedEM Table 3, CIFAR-10: 10 methods x 200 rounds, MobileNet-v2"
+  "pflego-cifar10|-|-|1.5|PFLEGO Table 1, CIFAR-10: 3 methods x 3 blocks x 200 rounds"
+)
+
+usage() {
+  sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+}
+
+field() { # field INDEX ENTRY: one |-separated field of a run-book entry
+  local IFS='|'
+  # shellcheck disable=SC2206
+  local parts=($2)
+  printf '%s' "${parts[$1]}"
+}
+
+build_command() { # build_command ENTRY DEVICE: CMD=the `pflego reproduce` line of an entry
+  local preset blocks rows out
+  preset=$(field 0 "$1")
+  blocks=$(field 1 "$1")
+  rows=$(field 2 "$1")
+  out="$OUT/$preset"
+  CMD=("$PY" -m pflego reproduce "$preset" --set device="$2" --jobs "$JOBS")
+  CMD+=(--devices "${RUNBOOK_DEVICES:-$2}")
+  if [[ $blocks != "-" ]]; then
+    CMD+=(--blocks "$blocks")
+    out+="-${blocks//,/-}"
+  fi
+  if [[ $rows != "-" ]]; then
+    CMD+=(--rows "$rows")
+  fi
+  CMD+=(--data-dir "$DATA" --out "$out" --quiet)
+}
+
+list() {
+  local n=0 entry
+  printf 'n\tpreset\tblocks\trows\tGPU hours (estimate)\twhat\n'
+  for entry in "${RUNBOOK[@]}"; do
+    n=$((n + 1))
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$n" "$(field 0 "$entry")" "$(field 1 "$entry")" \
+      "$(field 2 "$entry")" "$(field 3 "$entry")" "$(field 4 "$entry")"
+  done
+}
+
+timed() { # timed LABEL COMMAND...: run a command and say how long it took
+  local label=$1 start
+  shift
+  start=$(date +%s)
+  echo "== $label: $*"
+  "$@"
+  echo "== $label: done in $(($(date +%s) - start)) s"
+}
+
+smoke() {
+  local device=$1 start cnn_dataset smoke_out="$OUT/smoke"
+  start=$(date +%s)
+  rm -rf "$smoke_out" # a smoke test starts afresh every time
+  # 1. Every registered algorithm (the leaderboard holds them all), 2 rounds, on the device.
+  timed "every algorithm, $SMOKE_ROUNDS rounds on $device" \
+    "$PY" -m pflego reproduce leaderboard-mnist --quick --offline --rounds "$SMOKE_ROUNDS" \
+    --set device="$device" --out "$smoke_out/leaderboard" --quiet
+  # 2. The CNN bench: client training speed of the PGFed CNN, FedAvg vs PGFed (Table 7's setting
+  # on CIFAR-10 where its files are present, else on the built-in mnist5k).
+  cnn_dataset=mnist5k
+  if [[ -d $DATA/cifar-10-batches-py && ${RUNBOOK_SMOKE_TINY:-0} != 1 ]]; then
+    cnn_dataset=cifar10
+  fi
+  local bench=(--dataset "$cnn_dataset" --data-dir "$DATA" --set device="$device")
+  if [[ ${RUNBOOK_SMOKE_TINY:-0} == 1 ]]; then
+    bench+=(--clients 8 --participation 0.5 --local-epochs 0.1 --methods fedavg,pgfed)
+  else
+    bench+=(--clients 50 --local-epochs 1 --methods fedavg,pgfed,pgfedmo,pgfed-ce)
+  fi
+  timed "CNN bench on $device ($cnn_dataset)" "$PY" benchmarks/pgfed_speed.py "${bench[@]}"
+  # 3. On a GPU: each run-book preset's --quick version, where its data is present, so that
+  # every model and command of the run-book has run once on the device before hours are spent.
+  if [[ ${RUNBOOK_SMOKE_TINY:-0} != 1 ]]; then
+    local entry preset
+    for entry in "${RUNBOOK[@]}"; do
+      preset=$(field 0 "$entry")
+      timed "$preset --quick on $device" "$PY" -m pflego reproduce "$preset" --quick \
+        --set device="$device" --data-dir "$DATA" --out "$smoke_out/$preset" --quiet
+    done
+  fi
+  echo "smoke test passed on $device in $(($(date +%s) - start)) s; results in $smoke_out"
+}
+
+run_book() { # run_book DEVICE [N]: every entry in order, or entry N alone
+  local device=$1 only=${2:-} n=0 entry
+  for entry in "${RUNBOOK[@]}"; do
+    n=$((n + 1))
+    if [[ -n $only && $n != "$only" ]]; then continue; fi
+    echo "== $n. $(field 4 "$entry") (estimate: $(field 3 "$entry") h on one GPU)"
+    build_command "$entry" "$device"
+    if [[ ${DRY_RUN:-0} == 1 ]]; then
+      echo "${CMD[*]}"
+    else
+      timed "$(field 0 "$entry")" "${CMD[@]}"
+    fi
+  done
+}
+
+mode=run
+only=
+case ${1:-} in
+  --smoke) mode=smoke; shift ;;
+  --list) list; exit 0 ;;
+  --dry-run) DRY_RUN=1; shift ;;
+  --only) only=${2:?--only needs an entry number (see --list)}; shift 2 ;;
+  -h | --help) usage; exit 0 ;;
+  -*) echo "gpu_runbook.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
+esac
+DEVICE=${1:-cuda}
+if [[ $mode == smoke ]]; then
+  smoke "$DEVICE"
+else
+  run_book "$DEVICE" "$only"
+fi
