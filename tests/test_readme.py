@@ -16,6 +16,7 @@ import re
 import shlex
 from pathlib import Path
 
+import numpy as np
 import pytest
 from data_formats import mnist_arrays, write_idx_set
 
@@ -51,9 +52,26 @@ def fewer(rounds: int) -> int:
     return max(1, round(math.log2(rounds / 10)))
 
 
+def hugging_face_folder(folder: Path) -> Path:
+    """The README's ``hf:./my-set``: a small tabular set of 60 writers saved with save_to_disk."""
+    import datasets
+
+    if not folder.exists():
+        rng = np.random.default_rng(0)
+        n = 600
+        table = {f"x{j}": rng.normal(size=n).tolist() for j in range(4)}
+        table["label"] = rng.integers(0, 3, n).tolist()
+        table["writer_id"] = [f"w{i % 60}" for i in range(n)]
+        datasets.Dataset.from_dict(table).save_to_disk(str(folder))
+    return folder
+
+
 def shrink(argv: list[str], data_dir: Path) -> list[str]:
     """The command with ``~/data`` in a temporary folder, few rounds and few local steps."""
     argv = [str(data_dir) if a == "~/data" else a for a in argv[1:]]
+    argv = [
+        f"hf:{hugging_face_folder(data_dir / 'my-set')}" if a == "hf:./my-set" else a for a in argv
+    ]
     argv = [
         str(fewer(int(a))) if i and argv[i - 1] == "--rounds" else a for i, a in enumerate(argv)
     ]
