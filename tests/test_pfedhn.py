@@ -42,13 +42,13 @@ def generate(phi: dict, v: torch.Tensor, shapes: dict) -> dict:
 
 
 def server_step(phi, table, momentum, pairs, clip):
-    """One momentum-SGD step on sum over the cohort of <h(v_i; phi), Delta_i> / r (autograd)."""
+    """One momentum-SGD step on the sum over the cohort of <h(v_i; phi), Delta_i> (autograd)."""
     leaves = {k: v.clone().requires_grad_() for k, v in {**phi, "embeddings": table}.items()}
     hyper = {k: v for k, v in leaves.items() if k != "embeddings"}
     surrogate = 0.0
     for i, delta in pairs:
         theta = generate(hyper, leaves["embeddings"][i], {k: delta[k].shape for k in MODEL})
-        surrogate = surrogate + sum((theta[k] * delta[k]).sum() for k in MODEL) / len(pairs)
+        surrogate = surrogate + sum((theta[k] * delta[k]).sum() for k in MODEL)
     grads = dict(zip(leaves, torch.autograd.grad(surrogate, list(leaves.values())), strict=True))
     norm = math.sqrt(sum(float((g**2).sum()) for g in grads.values()))
     grads = {k: g * min(1.0, clip / (norm + 1e-6)) for k, g in grads.items()}
@@ -107,6 +107,9 @@ def test_pfedhn_rounds_equal_the_papers_updates(setting):
         table = new["embeddings"]
         assert_close(sim.server["params"], new)
         assert_close(sim.server["momentum"], momentum)
+        for i in range(count):
+            theta = generate(phi, table[i], shapes)
+            assert_close({k: v[i] for k, v in sim.server["models"].items()}, theta)
     if clip < math.inf:
         assert min(norms) > clip  # the clipping acted
     unsampled = sorted(set(range(count)) - {int(i) for i in sim.cohort(1)})

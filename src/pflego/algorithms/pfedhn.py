@@ -17,7 +17,8 @@ personal model (the target network) is ``theta_i = h(v_i; phi)``. The objective 
 
 Symbols to code: phi -> ``server["params"]["hyper.*"]`` (after the first round); the embeddings
 v_1..v_I -> ``server["params"]["embeddings"]`` ``[I, e]``; the optimizer's momentum ->
-``server["momentum"]``; theta_i -> the per-client downlink (every entry of the run's model, body
+``server["momentum"]``; theta_i -> the per-client downlink (all of them generated after each
+round: ``server["models"]``) (every entry of the run's model, body
 and head); Delta theta_i -> the upload; K and the inner step size -> the run's local schedule,
 client optimizer and ``ctx.client_lr``; the hypernetwork's step size, momentum and weight decay
 -> ``hyper_lr``, ``hyper_momentum``, ``hyper_weight_decay``.
@@ -34,12 +35,14 @@ Deliberate differences and choices:
 - The paper's Algorithm 1 writes Delta theta_i = theta~_i - theta_i and then subtracts beta times
   its pull-back, which would ascend; the authors' code uses ``theta_i - theta~_i`` (descent), as
   here.
-- The authors' code samples one client per step. With a cohort S of r clients, the server takes
-  one step along the mean ``(1/r) sum_{i in S}`` of the clients' pull-backs (for phi, and for the
-  rows v_i of the cohort): the unbiased minibatch estimate of the same objective's gradient, and
-  the authors' step when r = 1. Clients weigh equally, as in the paper's objective. As in the
-  authors' code (the embedding table is one tensor in the momentum optimizer), every embedding row
-  keeps moving along its momentum in rounds where its client is not sampled.
+- The authors' code samples one client per step. With a cohort S of r clients, every answering
+  client contributes the authors' per-client step: the server takes one momentum step along the
+  sum ``sum_{i in S}`` of the clients' pull-backs, all taken at the round's phi (the authors' r
+  sequential steps to first order; the FL-bench reimplementation, as far as known, steps once per
+  client in turn). The norm clipping acts on that sum (on one client's pull-back in the authors'
+  code, where it is the same for r = 1). Clients weigh equally, as in the paper's objective. As in
+  the authors' code (the embedding table is one tensor in the momentum optimizer), every embedding
+  row keeps moving along its momentum in rounds where its client is not sampled.
 - The local steps are the run's (client optimizer, weight decay, ``client_lr``, schedule); the
   authors' inner loop is SGD with momentum 0.9, lr 5e-3, weight decay 5e-5 and gradients clipped
   to norm 50, 50 steps of batch 64. ``default_client_lr`` stays the library's 0.05, about the
@@ -66,7 +69,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
 from typing import ClassVar
 
 import torch
@@ -129,10 +131,12 @@ class PFedHN(Algorithm):
 
     # --- the hypernetwork -----------------------------------------------------------------------
 
-    @cached_property
-    def target_shapes(self) -> dict[str, torch.Size]:
-        """The target network's entries and their shapes (the run's model, body and head)."""
-        return {k: v.shape for k, v in self.init_params(0).items()}
+    @property
+    def target_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The target network's entries and their shapes: ``init_params``'s body and C-way head."""
+        body = {f"body.{k}": tuple(v.shape) for k, v in self.model.body.named_parameters()}
+        classes, features = self.model.num_classes, self.model.feature_dim
+        return {**body, "head.weight": (classes, features), "head.bias": (classes,)}
 
     def embedding_size(self, num_clients: int) -> int:
         """e: ``embedding_dim``, or the authors' ``int(1 + I / 4)``."""
@@ -197,27 +201,40 @@ class PFedHN(Algorithm):
         """The target network's initial parameters (their shapes; phi is created at first use)."""
         return {"params": params}
 
+    def personal_models(self, server: ServerState, ctx: RoundContext) -> Params:
+        """theta_i = h(v_i; phi) of every client, ``[I, ...]``: kept by the last round, else made.
+
+        Always generated for the whole table at once, so that a client's model does not depend on
+        which clients are asked with it (a batched product rounds by its batch size).
+        """
+        if "models" in server:
+            models = server["models"]
+            if len(next(iter(models.values()))) >= ctx.num_clients:
+                return models
+        params, _ = self.hypernetwork(server, ctx)
+        return self.generate(params, params[EMBEDDINGS])
+
     def downlink(
         self, server: ServerState, ctx: RoundContext, clients: Tensor | None = None
     ) -> Params:
         """theta_i = h(v_i; phi) for each of ``clients``; a newcomer gets phi and the mean v."""
-        params, _ = self.hypernetwork(server, ctx)
-        table = params[EMBEDDINGS]
         if clients is None:
+            params, _ = self.hypernetwork(server, ctx)
             hyper = {k: v for k, v in params.items() if k != EMBEDDINGS}
-            return {**hyper, START: table.mean(0)}
-        return self.generate(params, table[clients.to(table.device)])
+            return {**hyper, START: params[EMBEDDINGS].mean(0)}
+        models = self.personal_models(server, ctx)
+        return {k: v[clients.to(v.device)] for k, v in models.items()}
 
     def server_round(
         self, server: ServerState, out: ClientOut, ctx: RoundContext, clients: Tensor
     ) -> ServerState:
-        """One momentum-SGD step on phi and the embeddings along the cohort's mean pull-back."""
+        """One momentum-SGD step on phi and the embeddings along the sum of the cohort's pull-backs."""
         params, momentum = self.hypernetwork(server, ctx)
         table = params[EMBEDDINGS]
         idx = clients.to(device=table.device, dtype=torch.int64)
         hyper = {k: v for k, v in params.items() if k != EMBEDDINGS}
         _, pull_back = vjp(self.generate, hyper, table[idx])
-        delta = {k: out.upload[k].to(table) / len(clients) for k in self.target_shapes}
+        delta = {k: out.upload[k].to(table) for k in self.target_shapes}
         grad_hyper, grad_rows = pull_back(delta)
         grads = {**grad_hyper, EMBEDDINGS: torch.zeros_like(table).index_add(0, idx, grad_rows)}
         norm = tree.sq_norm(grads).sqrt()  # torch.nn.utils.clip_grad_norm_, as the authors
@@ -226,17 +243,19 @@ class PFedHN(Algorithm):
         steps = {k: g + decay * params[k] if k != EMBEDDINGS else g for k, g in grads.items()}
         buffers = {k: self.hyper_momentum * momentum[k] + s for k, s in steps.items()}
         new = {k: params[k] - self.hyper_lr * b for k, b in buffers.items()}
-        return {"params": new, "momentum": buffers}
+        models = self.generate(new, new[EMBEDDINGS])
+        return {"params": new, "momentum": buffers, "models": models}
 
     # --- client ---------------------------------------------------------------------------------
 
     def init_client(
         self, downlink: Params, generator: torch.Generator, ctx: RoundContext
     ) -> ClientState:
-        """A zero embedding shift (used only by a newcomer, whose ``join`` learns it)."""
-        first = next(iter(downlink.values()))
-        e = downlink[START].shape[-1] if START in downlink else self.embedding_size(ctx.num_clients)
-        return {SHIFT: first.new_zeros(e)}
+        """Nothing for a client the server knows; a newcomer (its downlink is phi and a starting
+        embedding) gets a zero shift of that embedding, which its ``join`` learns."""
+        if START not in downlink:
+            return {}
+        return {SHIFT: torch.zeros_like(downlink[START])}
 
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
         """K local steps from theta_i; uploads Delta theta_i = theta_i - theta~_i."""
