@@ -54,7 +54,7 @@ def server_step(phi, table, momentum, pairs, clip):
     grads = {k: g * min(1.0, clip / (norm + 1e-6)) for k, g in grads.items()}
     new, buffers = {}, {}
     for k, g in grads.items():
-        d = g if k == "embeddings" else g + DECAY * leaves[k].detach()
+        d = g + DECAY * leaves[k].detach()  # the authors' SGD decays the embeddings too
         buffers[k] = MOMENTUM * momentum[k] + d
         new[k] = leaves[k].detach() - LR * buffers[k]
     return new, buffers, norm

@@ -1,10 +1,11 @@
 """pFedHN: a hypernetwork on the server generates every client's personal model.
 
 Shamsian, Navon, Fetaya, Chechik. "Personalized Federated Learning using Hypernetworks".
-ICML 2021; arXiv:2103.04628. Authors' code: github.com/AvivSham/pFedHN.
+ICML 2021; arXiv:2103.04628. Authors' code: github.com/AvivSham/pFedHN
+(``experiments/pfedhn/trainer.py`` and ``models.py``, read for the details below).
 
 The server holds a hypernetwork h(.; phi) and one learned embedding v_i per client; client i's
-personal model (the target network) is ``theta_i = h(v_i; phi)``. The objective is
+personal model (the target network) is ``theta_i = h(v_i; phi)``, and the objective is
 ``min_{phi, v_1..v_n} sum_i L_i(h(v_i; phi))``. A round (the paper's Algorithm 1):
 
 - the server sends theta_i = h(v_i; phi) to each sampled client i;
@@ -12,57 +13,58 @@ personal model (the target network) is ``theta_i = h(v_i; phi)``. The objective 
   ``Delta theta_i = theta_i - theta~_i`` (the direction the server descends along);
 - the server pulls Delta theta_i back through the hypernetwork by the chain rule,
   ``grad_phi = (d theta_i / d phi)^T Delta theta_i`` and
-  ``grad_{v_i} = (d theta_i / d v_i)^T Delta theta_i`` (a vector-Jacobian product), and takes one
-  optimizer step on phi and the embeddings.
+  ``grad_{v_i} = (d theta_i / d v_i)^T Delta theta_i`` (a vector-Jacobian product,
+  ``torch.func.vjp``), and takes one optimizer step on phi and the embeddings.
 
-Symbols to code: phi -> ``server["params"]["hyper.*"]`` (after the first round); the embeddings
-v_1..v_I -> ``server["params"]["embeddings"]`` ``[I, e]``; the optimizer's momentum ->
-``server["momentum"]``; theta_i -> the per-client downlink (all of them generated after each
-round: ``server["models"]``) (every entry of the run's model, body
-and head); Delta theta_i -> the upload; K and the inner step size -> the run's local schedule,
-client optimizer and ``ctx.client_lr``; the hypernetwork's step size, momentum and weight decay
--> ``hyper_lr``, ``hyper_momentum``, ``hyper_weight_decay``.
+Symbols to code: phi -> ``server["params"]["hyper.*"]``; v_1..v_I ->
+``server["params"]["embeddings"]`` ``[I, e]``; the optimizer's momentum buffers ->
+``server["momentum"]``; theta_i -> the per-client downlink (every entry of the run's model, body
+and head; all I of them are generated after each round into ``server["models"]``);
+Delta theta_i -> the upload; K and the inner step size -> the run's local schedule, client
+optimizer and ``ctx.client_lr``; the hypernetwork's step size, momentum, weight decay and
+gradient clipping -> ``hyper_lr``, ``hyper_momentum``, ``hyper_weight_decay``,
+``max_grad_norm``; e -> ``embedding_dim``.
 
-The hypernetwork, as in the authors' ``CNNHyper``: ``Linear(e, hidden_dim)`` followed by
+The hypernetwork, as the authors' ``CNNHyper``: ``Linear(e, hidden_dim)`` followed by
 ``hidden_layers`` blocks ``ReLU -> Linear(hidden_dim, hidden_dim)``, then one linear head per
-target tensor (its output reshaped to the tensor); PyTorch's default initialization
-(U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases, N(0, 1) embeddings). Defaults from the
-authors' code: ``hidden_dim = 100``, ``hidden_layers = 3``, e = ``int(1 + I / 4)``
-(``embedding_dim`` unset), SGD with momentum 0.9, lr 1e-2 and weight decay 1e-3 on phi (none on
-the embeddings), and the hypernetwork's gradient clipped to norm 50 (``max_grad_norm``; ``inf`` turns it off).
+target tensor (its output reshaped to the tensor), with PyTorch's default initialization
+(U(-1/sqrt(fan_in), 1/sqrt(fan_in)) weights and biases, N(0, 1) embeddings). Defaults from the
+authors' code: ``hidden_dim = 100``, ``hidden_layers = 3``, e = ``int(1 + I / 4)`` (with
+``embedding_dim`` unset); SGD with momentum 0.9, lr 1e-2 and weight decay 1e-3 on phi and the
+embeddings alike (their ``embed_lr`` defaults to the same lr; a separate one is not offered);
+the hypernetwork's gradient clipped to norm 50 (``max_grad_norm``; ``inf`` turns it off).
 
 Deliberate differences and choices:
 - The paper's Algorithm 1 writes Delta theta_i = theta~_i - theta_i and then subtracts beta times
-  its pull-back, which would ascend; the authors' code uses ``theta_i - theta~_i`` (descent), as
-  here.
+  its pull-back, which would ascend; the authors' code uses ``theta_i - theta~_i``, as here.
 - The authors' code samples one client per step. With a cohort S of r clients, every answering
-  client contributes the authors' per-client step: the server takes one momentum step along the
-  sum ``sum_{i in S}`` of the clients' pull-backs, all taken at the round's phi (the authors' r
-  sequential steps to first order; the FL-bench reimplementation, as far as known, steps once per
-  client in turn). The norm clipping acts on that sum (on one client's pull-back in the authors'
-  code, where it is the same for r = 1). Clients weigh equally, as in the paper's objective. As in
-  the authors' code (the embedding table is one tensor in the momentum optimizer), every embedding
-  row keeps moving along its momentum in rounds where its client is not sampled.
-- The local steps are the run's (client optimizer, weight decay, ``client_lr``, schedule); the
-  authors' inner loop is SGD with momentum 0.9, lr 5e-3, weight decay 5e-5 and gradients clipped
-  to norm 50, 50 steps of batch 64. ``default_client_lr`` stays the library's 0.05, about the
-  authors' 5e-3 under momentum 0.9 (5e-3 / (1 - 0.9)) for plain SGD.
+  client contributes the authors' per-client step: one momentum step along the sum over S of the
+  clients' pull-backs, all taken at the round's phi (the authors' r sequential steps, to first
+  order in the step size); clients weigh equally, as in the paper's objective. The clipping acts
+  on that sum (on one client's pull-back in the authors' code: the same when r = 1). As in the
+  authors' code, whose embedding table is one tensor of the momentum optimizer, an embedding
+  keeps moving along its momentum (and decays) in rounds where its client is not sampled.
+- The local steps are the run's (client optimizer, weight decay, ``client_lr``, schedule). The
+  authors' inner loop is 50 steps of SGD with momentum 0.9, lr 5e-3, weight decay 5e-5, batch 64
+  and gradients clipped to norm 50; ``default_client_lr`` stays the library's 0.05, about their
+  5e-3 under momentum 0.9 (5e-3 / (1 - 0.9)) for plain SGD.
 - The personalized model evaluated is h(v_i; phi) itself, without local steps (the authors'
-  ``eval_model``). A client that has not trained yet is evaluated with h(v_i; phi) too.
-- The embedding dimension depends on the population I, so phi and the embeddings are created at
-  the first use (a downlink or the first round), seeded by the run's seed; until the first round
-  ``server["params"]`` holds the target network's initial parameters, which only give the
-  shapes. On Flower, clients that enter later get new rows (seeded by their position).
+  ``evaluate``); a client that has not trained yet is evaluated with its h(v_i; phi) too.
+- e depends on the population I, so phi and the embeddings are created at first use (a
+  downlink or the first round), seeded by the run's seed; until the first round
+  ``server["params"]`` holds the target network's initial parameters, unused. On Flower, clients
+  that enter later get new embedding rows (seeded by their position).
 - This is pFedHN, the target network generated whole; pFedHN-PC (personal classifier heads kept
   on the clients) is not offered.
 
 A client that never trained (``join``): as in the paper's generalization to novel clients, phi
-stays frozen and only a new embedding is learned. The newcomer's downlink is phi and the mean of
-the trained embeddings; ``join`` takes the run's local steps (client optimizer, ``client_lr``,
-``adapt_schedule``) on the client's loss L(h(v; phi)) with respect to v alone, starting from that
-mean (the client state keeps the shift from it), and the client is evaluated with h(v; phi). The
-paper trains the new embeddings through the server's chain-rule round instead, with v's own
-optimizer; a direct gradient step on v is the same direction for K = 1.
+stays frozen and only a new embedding is learned. A newcomer's downlink is phi itself (about
+``hidden_dim`` times the model's size) and the mean of the server's embeddings; ``join`` takes
+the run's local steps (client optimizer, ``client_lr``, ``adapt_schedule``) on the client's loss
+L(h(v; phi)) with respect to v alone, from that mean (the client state keeps the shift from it),
+and the client is evaluated with h(v; phi). How the paper optimizes the new embeddings (through
+the server's round, or by direct gradient) is not known here; for one local step the two take
+the same direction.
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ class PFedHN(Algorithm):
         }
 
     def init_hypernetwork(self, template: Params, ctx: RoundContext) -> Params:
-        """phi with PyTorch's ``nn.Linear`` initialization, seeded by the run's seed; no rows yet."""
+        """phi with ``nn.Linear``'s initialization, seeded by the run's seed; an empty table."""
         first = next(iter(template.values()))
         gen = torch.Generator().manual_seed(seed_for(ctx.seed, 17))
         e, h = self.embedding_size(ctx.num_clients), self.hidden_dim
@@ -187,12 +189,10 @@ class PFedHN(Algorithm):
         if held < ctx.num_clients:
             gen = torch.Generator().manual_seed(seed_for(ctx.seed, 18, held))
             rows = torch.randn((ctx.num_clients - held, e), generator=gen, dtype=torch.float32)
-            grown = torch.cat([table, rows.to(table)])
-            params = {**params, EMBEDDINGS: grown}
-            momentum = {
-                **momentum,
-                EMBEDDINGS: torch.cat([momentum[EMBEDDINGS], 0 * rows.to(table)]),
-            }
+            rows = rows.to(table)
+            params = {**params, EMBEDDINGS: torch.cat([table, rows])}
+            buffer = torch.cat([momentum[EMBEDDINGS], torch.zeros_like(rows)])
+            momentum = {**momentum, EMBEDDINGS: buffer}
         return params, momentum
 
     # --- server ---------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ class PFedHN(Algorithm):
     def server_round(
         self, server: ServerState, out: ClientOut, ctx: RoundContext, clients: Tensor
     ) -> ServerState:
-        """One momentum-SGD step on phi and the embeddings along the sum of the cohort's pull-backs."""
+        """One momentum-SGD step on phi and the embeddings along the cohort's summed pull-backs."""
         params, momentum = self.hypernetwork(server, ctx)
         table = params[EMBEDDINGS]
         idx = clients.to(device=table.device, dtype=torch.int64)
@@ -240,7 +240,7 @@ class PFedHN(Algorithm):
         norm = tree.sq_norm(grads).sqrt()  # torch.nn.utils.clip_grad_norm_, as the authors
         grads = tree.scale(grads, (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
         decay = self.hyper_weight_decay
-        steps = {k: g + decay * params[k] if k != EMBEDDINGS else g for k, g in grads.items()}
+        steps = {k: g + decay * params[k] for k, g in grads.items()}
         buffers = {k: self.hyper_momentum * momentum[k] + s for k, s in steps.items()}
         new = {k: params[k] - self.hyper_lr * b for k, b in buffers.items()}
         models = self.generate(new, new[EMBEDDINGS])
