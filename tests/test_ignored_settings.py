@@ -36,6 +36,7 @@ SERVER_LR_REFUSED = {
     "apple",
     "fedamp",
     "fedproto",
+    "pfedhn",
 }
 SERVER_OPTIMIZER_REFUSED = SERVER_LR_REFUSED | {"cfl"}
 #: Per-FedAvg takes plain gradient steps; MOCHA its own SDCA steps (no optimizer, no decay).

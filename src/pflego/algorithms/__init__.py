@@ -36,6 +36,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     mocha,
     moon,
     perfedavg,
+    pfedhn,
     pfedme,
     pflego,
     pgfed,
