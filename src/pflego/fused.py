@@ -80,6 +80,7 @@ def fused_sgd_steps(
         or any(not set(params) <= set(t) for t in regularizers)
         or not _plain([*full.values(), data.x, data.batches, data.batch_mask])
         or not _plain([v for t in regularizers for v in t.values()])
+        or not _plain([] if loss.sample_weights is None else [loss.sample_weights])
         or not _fits(plan, data.x.shape[1:])
         or "head.weight" not in full
     ):
@@ -125,6 +126,8 @@ def _run(
         return trained, total / count.clamp(min=1)
     batches, batch_mask = batches[real], batch_mask[real]
     weights = batch_mask / batch_mask.sum(1, keepdim=True).clamp(min=1)  # [S, B]: mask / n_s
+    if loss.sample_weights is not None:  # [S, B]: w_idx * mask / n_s
+        weights = weights * loss.sample_weights[batches]
     first = _first_linear(plan)
     if batches.shape[-1] == data.x.shape[0]:  # full batch: every step is the whole local set
         inputs = [data.x] * len(batches)

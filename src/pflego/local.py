@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value
 
+from pflego.loss import ModelLoss
 from pflego.optim import Optimizer, OptState
 from pflego.tree import Params
 from pflego.types import ClientData
@@ -92,9 +93,12 @@ def train_steps(
     # A schedule as wide as the local set is full batch: its rows are arange(n) wherever the mask
     # is 1, so the whole (padded) set is used as is instead of being gathered every step.
     whole_set = data.batches.shape[-1] == data.x.shape[0]
+    per_sample = isinstance(loss_fn, ModelLoss) and loss_fn.sample_weights is not None
     total, count = torch.zeros(()), torch.zeros(())
     for idx, bmask in zip(data.batches[steps], data.batch_mask[steps]):
         x, y = (data.x, data.y) if whole_set else (data.x[idx], data.y[idx])
+        if per_sample and not whole_set:  # the batch's own sample weights
+            step_and_loss = grad_and_value(loss_fn.on_samples(idx))
         grads, loss = step_and_loss(params, x, y, bmask)
         active = bmask.sum() > 0
         params, opt_state = optimizer.masked_update(params, grads, opt_state, lr, active)
