@@ -59,11 +59,13 @@ def fused_sgd_steps(
     optimizer: Optimizer,
     lr: float | Tensor,
     steps: slice = slice(None),
-) -> tuple[Params, Tensor] | None:
+    sum_iterates: bool = False,
+) -> tuple[Params, Tensor, Params | None] | None:
     """``train_steps`` for plain SGD on a :class:`ModelLoss`, or ``None`` when it does not apply.
 
     Returns:
-        The trained parameters (new tensors) and the mean loss over the real steps.
+        The trained parameters (new tensors), the mean loss over the real steps and, with
+        ``sum_iterates``, the sum of the parameters each real step started from (else ``None``).
     """
     if not isinstance(loss, ModelLoss) or type(optimizer) is not SGD:
         return None
@@ -88,7 +90,7 @@ def fused_sgd_steps(
         or "head.weight" not in full
     ):
         return None
-    return _run(plan, loss, params, data, optimizer.weight_decay, float(lr), steps)
+    return _run(plan, loss, params, data, optimizer.weight_decay, float(lr), steps, sum_iterates)
 
 
 def _keys(layer: Layer, params: Params) -> list[str]:
@@ -119,12 +121,14 @@ def _run(
     weight_decay: float,
     lr: float,
     steps: slice,
-) -> tuple[Params, Tensor]:
+    sum_iterates: bool,
+) -> tuple[Params, Tensor, Params | None]:
     batches, batch_mask = data.batches[steps], data.batch_mask[steps]
     real = torch.nonzero(batch_mask.sum(1) > 0).flatten()  # empty steps change nothing
     total, count = torch.zeros(()), torch.zeros(())
     if len(real) == 0:
-        return {k: v.clone() for k, v in params.items()}, total / count.clamp(min=1)
+        iterates = {k: torch.zeros_like(v) for k, v in params.items()} if sum_iterates else None
+        return {k: v.clone() for k, v in params.items()}, total / count.clamp(min=1), iterates
     batches, batch_mask = batches[real], batch_mask[real]
     weights = batch_mask / batch_mask.sum(1, keepdim=True).clamp(min=1)  # [S, B]: mask / n_s
     if loss.sample_weights is not None:  # [S, B]: w_idx * mask / n_s
@@ -173,6 +177,7 @@ def _run(
         pull = anchor * (lr * strength)
     if linear.numel():
         pull = linear * lr if not pull.numel() else pull.add_(linear, alpha=lr)
+    iterate_sum = torch.zeros_like(flat) if sum_iterates else empty
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
         log_probs, distances, dots = _compiled()(
             [layer.kind for layer in plan],
@@ -184,6 +189,7 @@ def _run(
             anchor,
             linear,
             pull,
+            iterate_sum,
             inputs,
             inputs_t,
             first,
@@ -202,8 +208,20 @@ def _run(
         values = values + strength / 2 * torch.stack(distances)
     if dots:
         values = values - torch.stack(dots)
-    trained = {k: _kernel_layout(plan, k, v).contiguous() for k, v in views.items()}
-    return trained, (total + values.sum()) / (count + len(values))
+    trained = _unflatten(plan, flat, views)
+    iterates = _unflatten(plan, iterate_sum, views) if sum_iterates else None
+    return trained, (total + values.sum()) / (count + len(values)), iterates
+
+
+def _unflatten(plan: tuple[Layer, ...], vector: Tensor, views: Params) -> Params:
+    """``vector``, laid out like the flat parameters whose views are ``views``, as a parameter
+    dict in the model's layout."""
+    out, offset = {}, 0
+    for k, v in views.items():
+        part = vector[offset : offset + v.numel()].view(v.shape)
+        out[k] = _kernel_layout(plan, k, part).contiguous()
+        offset += v.numel()
+    return out
 
 
 def _kernel_layout(plan: tuple[Layer, ...], key: str, value: Tensor) -> Tensor:
@@ -265,6 +283,7 @@ def _steps(
     anchor: Tensor,
     linear: Tensor,
     pull: Tensor,
+    iterates: Tensor,
     inputs: list[Tensor],
     inputs_t: list[Tensor],
     first: int,
@@ -287,7 +306,8 @@ def _steps(
     tensors are views of ``flat``; ``anchor`` and ``linear`` (empty when absent) are the
     regularizers' coefficients laid out like it, and ``pull`` is ``lr (strength anchor +
     linear)``, added to ``flat`` at every step after the gradient steps, which shrink the
-    parameters by ``shrink`` (weight decay and the proximal term). Per step: its input (and, for
+    parameters by ``shrink`` (weight decay and the proximal term); ``iterates``, unless empty,
+    sums the parameters each step starts from. Per step: its input (and, for
     the linear layer ``first`` that reads it, its transpose), ``-onehot(y)^T * mask / n`` and
     ``mask / n``. The head computes transposed logits ``W a^T``: with 10-row minibatches and
     10-class heads, these are the layouts whose matrix products run fastest. Returns each step's
@@ -302,6 +322,8 @@ def _steps(
     distances: list[Tensor] = []
     dots: list[Tensor] = []
     for s in range(len(inputs)):
+        if iterates.numel() > 0:
+            iterates.add_(flat)
         if anchor.numel() > 0:  # into a buffer kept across steps: no allocation per step
             difference = torch.sub(flat, anchor, out=scratch)
             distances.append(torch.dot(difference, difference))
