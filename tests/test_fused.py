@@ -9,7 +9,7 @@ from torch import nn
 from torch.func import vmap
 
 from pflego.fused import fused_sgd_steps
-from pflego.local import fused_steps, train_steps
+from pflego.local import fused_steps, train_steps, train_steps_summing_iterates
 from pflego.loss import ModelLoss
 from pflego.models import SplitModel, apply_layers, build_model, init_head
 from pflego.optim import SGD, Momentum
@@ -83,7 +83,7 @@ def both(loss: ModelLoss, params, data, optimizer, steps=slice(None)):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("trained", ["all", "head", "body"])
-@pytest.mark.parametrize("terms", ["plain", "proximal", "linear", "weight-decay"])
+@pytest.mark.parametrize("terms", ["plain", "proximal", "linear", "weight-decay", "weighted"])
 @pytest.mark.parametrize("batch_size", [4, None])
 def test_fused_steps_equal_autograd(name, trained, terms, batch_size):
     model, params, x, y = setting(name)
@@ -100,6 +100,7 @@ def test_fused_steps_equal_autograd(name, trained, terms, batch_size):
         "proximal": {"anchor": other, "strength": 0.7},
         "linear": {"linear": other},
         "weight-decay": {},
+        "weighted": {"sample_weights": torch.rand(13, generator=gen, dtype=torch.float64)},
     }[terms]
     optimizer = SGD(weight_decay=0.1 if terms == "weight-decay" else 0.0)
     data = client(x, y, batch_size, 2.0)
@@ -111,6 +112,41 @@ def test_fused_steps_equal_autograd(name, trained, terms, batch_size):
     torch.testing.assert_close(out_loss, ref_loss, atol=1e-10, rtol=1e-9)
     assert all(not torch.equal(out[k], train[k]) for k in train)  # it trained
     assert all(v is not out[k] for k, v in train.items())  # on copies
+
+
+def test_sample_weights_weigh_each_samples_cross_entropy():
+    """Against a loss written out by hand: sum_s w_s mask_s CE_s / sum_s mask_s."""
+    model, params, x, y = setting("mlp")
+    data = client(x, y, 4, 1.0)
+    weights = torch.rand(len(y), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    loss = ModelLoss(model, data.label_mask, sample_weights=weights)
+    idx, mask = data.batches[-1], data.batch_mask[-1]
+    logits = model.forward(params, x[idx]).masked_fill(data.label_mask == 0, -torch.inf)
+    by_hand = -(torch.log_softmax(logits, -1)[torch.arange(len(idx)), y[idx]])
+    expected = (by_hand * weights[idx] * mask).sum() / mask.sum()
+    torch.testing.assert_close(loss.on_samples(idx)(params, x[idx], y[idx], mask), expected)
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv"])
+def test_iterate_sums_fused_equal_a_step_by_step_sum(name):
+    model, params, x, y = setting(name)
+    data = client(x, y, 4, 2.0)
+    gen = torch.Generator().manual_seed(2)
+    other = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
+    loss = ModelLoss(model, data.label_mask, linear=other)
+    expected = {k: torch.zeros_like(v) for k, v in params.items()}
+    current = params
+    for s in range(len(data.batches)):  # one step at a time, summing where each real step starts
+        if data.batch_mask[s].sum() > 0:
+            expected = {k: v + current[k] for k, v in expected.items()}
+        current, _, _ = train_steps(loss, current, data, SGD(), {}, 0.3, slice(s, s + 1))
+    for fused in (False, True):
+        with fused_steps(fused) as counts:
+            trained, _, _, sums = train_steps_summing_iterates(loss, params, data, SGD(), {}, 0.3)
+        assert counts.fused == int(fused)
+        for k in params:
+            torch.testing.assert_close(trained[k], current[k], atol=1e-10, rtol=1e-9)
+            torch.testing.assert_close(sums[k], expected[k], atol=1e-10, rtol=1e-9)
 
 
 def test_a_slice_of_the_steps_and_no_steps():

@@ -5,10 +5,13 @@ For a :class:`~pflego.local.ModelLoss` whose model is a sequence of ``Linear``, 
 with weight decay), every local step is one forward pass that keeps the activations it needs and
 one backward pass that applies each layer's update as soon as the gradient below it is taken:
 
-    W <- (1 - lr (strength + weight_decay)) W + lr strength anchor + lr linear - lr g^T a
+    W <- (1 - lr (strength + weight_decay)) W - lr g^T a + lr (strength anchor + linear)
 
-with the last product folded into the weight-gradient GEMM (``W.addmm_(g^T, a, alpha=-lr)``), so
-no gradient tensor is materialized and no graph is built. The minibatches of all steps are
+with the shrinkage and the product folded into the weight-gradient GEMM (``W.addmm_(g^T, a,
+beta=1 - lr (strength + weight_decay), alpha=-lr)``), so no gradient tensor is materialized and
+no graph is built. The trained tensors are views of one flat vector, so the last term, constant
+over the steps, is one addition per step for the whole model, and the proximal term's value one
+subtraction into a kept buffer and one dot product. The minibatches of all steps are
 gathered in one indexing operation. The result equals ``train_steps``'s autograd path up to
 floating-point rounding (the tests check float64 runs to 1e-10).
 
@@ -56,11 +59,13 @@ def fused_sgd_steps(
     optimizer: Optimizer,
     lr: float | Tensor,
     steps: slice = slice(None),
-) -> tuple[Params, Tensor] | None:
+    sum_iterates: bool = False,
+) -> tuple[Params, Tensor, Params | None] | None:
     """``train_steps`` for plain SGD on a :class:`ModelLoss`, or ``None`` when it does not apply.
 
     Returns:
-        The trained parameters (new tensors) and the mean loss over the real steps.
+        The trained parameters (new tensors), the mean loss over the real steps and, with
+        ``sum_iterates``, the sum of the parameters each real step started from (else ``None``).
     """
     if not isinstance(loss, ModelLoss) or type(optimizer) is not SGD:
         return None
@@ -80,11 +85,12 @@ def fused_sgd_steps(
         or any(not set(params) <= set(t) for t in regularizers)
         or not _plain([*full.values(), data.x, data.batches, data.batch_mask])
         or not _plain([v for t in regularizers for v in t.values()])
+        or not _plain([] if loss.sample_weights is None else [loss.sample_weights])
         or not _fits(plan, data.x.shape[1:])
         or "head.weight" not in full
     ):
         return None
-    return _run(plan, loss, params, data, optimizer.weight_decay, float(lr), steps)
+    return _run(plan, loss, params, data, optimizer.weight_decay, float(lr), steps, sum_iterates)
 
 
 def _keys(layer: Layer, params: Params) -> list[str]:
@@ -115,16 +121,18 @@ def _run(
     weight_decay: float,
     lr: float,
     steps: slice,
-) -> tuple[Params, Tensor]:
-    trained = {k: v.clone() for k, v in params.items()}
-    full = {**loss.fixed, **trained}
+    sum_iterates: bool,
+) -> tuple[Params, Tensor, Params | None]:
     batches, batch_mask = data.batches[steps], data.batch_mask[steps]
     real = torch.nonzero(batch_mask.sum(1) > 0).flatten()  # empty steps change nothing
     total, count = torch.zeros(()), torch.zeros(())
     if len(real) == 0:
-        return trained, total / count.clamp(min=1)
+        iterates = {k: torch.zeros_like(v) for k, v in params.items()} if sum_iterates else None
+        return {k: v.clone() for k, v in params.items()}, total / count.clamp(min=1), iterates
     batches, batch_mask = batches[real], batch_mask[real]
     weights = batch_mask / batch_mask.sum(1, keepdim=True).clamp(min=1)  # [S, B]: mask / n_s
+    if loss.sample_weights is not None:  # [S, B]: w_idx * mask / n_s
+        weights = weights * loss.sample_weights[batches]
     first = _first_linear(plan)
     if batches.shape[-1] == data.x.shape[0]:  # full batch: every step is the whole local set
         inputs = [data.x] * len(batches)
@@ -137,35 +145,51 @@ def _run(
             list(gathered.flatten(2).transpose(1, 2).contiguous().unbind(0)) if first >= 0 else []
         )
         labels = data.y[batches]
+    head_weight = {**loss.fixed, **params}["head.weight"]
     # the head works on transposed logits [K, B]: products with a few outputs run fastest so
-    target = F.one_hot(labels, full["head.weight"].shape[0]).to(weights.dtype).transpose(1, 2)
+    target = F.one_hot(labels, head_weight.shape[0]).to(weights.dtype).transpose(1, 2)
     target = target * weights.unsqueeze(1)  # [S, K, B]: onehot(y) * mask / n_s
     label_mask = loss.label_mask > 0
     empty = data.x.new_empty(0)
+    # The trained parameters, in the kernel's layout, are views of one flat vector, so that the
+    # regularizers cost one operation per step however many tensors the model has.
+    order = [k for layer in plan for k in _keys(layer, params)]
+    flat = torch.cat([_kernel_layout(plan, k, params[k]).reshape(-1) for k in order])
+    views, offset = {}, 0
+    for k in order:
+        shape = _kernel_layout(plan, k, params[k]).shape
+        views[k] = flat[offset : offset + shape.numel()].view(shape)
+        offset += shape.numel()
+    held = {k: _kernel_layout(plan, k, v).contiguous() for k, v in loss.fixed.items()}
+    full = {**held, **views}
 
-    def coefficients(table: Params | None) -> list[Tensor]:
-        """A regularizer's coefficients per layer (weight, bias), in the kernel's layout."""
-        table = table or {}
-        out = []
-        for layer in plan:
-            w = table.get(layer.weight, empty)
-            transposed = layer.kind == "linear" and layer.key != "head" and w.numel()
-            out += [w.t() if transposed else w, table.get(layer.bias, empty)]
-        return out
+    def flattened(table: Params | None) -> Tensor:
+        """A regularizer's coefficients laid out like ``flat`` (empty without one)."""
+        if table is None:
+            return empty
+        return torch.cat([_kernel_layout(plan, k, table[k]).reshape(-1) for k in order])
 
     strength = float(loss.strength) if loss.anchor is not None else 0.0
+    anchor = flattened(loss.anchor if strength != 0.0 else None)
+    linear = flattened(loss.linear)
+    pull = empty  # each step adds lr (strength anchor + linear) to the parameters
+    if anchor.numel():
+        pull = anchor * (lr * strength)
+    if linear.numel():
+        pull = linear * lr if not pull.numel() else pull.add_(linear, alpha=lr)
+    iterate_sum = torch.zeros_like(flat) if sum_iterates else empty
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
-        log_probs, regularizers = _compiled()(
+        log_probs, distances, dots = _compiled()(
             [layer.kind for layer in plan],
             [_settings(layer) for layer in plan],
             [full.get(layer.weight, empty) for layer in plan],
             [full.get(layer.bias, empty) for layer in plan],
-            [
-                [layer.bias in full, layer.weight in trained, layer.bias in trained]
-                for layer in plan
-            ],
-            coefficients(loss.anchor),
-            coefficients(loss.linear),
+            [[layer.bias in full, layer.weight in views, layer.bias in views] for layer in plan],
+            flat,
+            anchor,
+            linear,
+            pull,
+            iterate_sum,
             inputs,
             inputs_t,
             first,
@@ -177,15 +201,36 @@ def _run(
             torch.finfo(target.dtype).min,
             lr,
             1 - lr * (strength + weight_decay),
-            strength,
-            loss.anchor is not None,
-            loss.linear is not None,
-            min(i for i, layer in enumerate(plan) if set(_keys(layer, trained))),
+            min(i for i, layer in enumerate(plan) if set(_keys(layer, params))),
         )
     values = -(torch.stack(log_probs) * target).sum((1, 2))  # each step's cross-entropy
-    if regularizers:
-        values = values + torch.stack(regularizers)
-    return trained, (total + values.sum()) / (count + len(values))
+    if distances:
+        values = values + strength / 2 * torch.stack(distances)
+    if dots:
+        values = values - torch.stack(dots)
+    trained = _unflatten(plan, flat, views)
+    iterates = _unflatten(plan, iterate_sum, views) if sum_iterates else None
+    return trained, (total + values.sum()) / (count + len(values)), iterates
+
+
+def _unflatten(plan: tuple[Layer, ...], vector: Tensor, views: Params) -> Params:
+    """``vector``, laid out like the flat parameters whose views are ``views``, as a parameter
+    dict in the model's layout."""
+    out, offset = {}, 0
+    for k, v in views.items():
+        part = vector[offset : offset + v.numel()].view(v.shape)
+        out[k] = _kernel_layout(plan, k, part).contiguous()
+        offset += v.numel()
+    return out
+
+
+def _kernel_layout(plan: tuple[Layer, ...], key: str, value: Tensor) -> Tensor:
+    """A parameter as the kernel holds it: body linear weights transposed (``W^T``); the same
+    function turns it back."""
+    body_linear = any(
+        layer.kind == "linear" and layer.key != "head" and layer.weight == key for layer in plan
+    )
+    return value.t() if body_linear else value
 
 
 def _first_linear(plan: tuple[Layer, ...]) -> int:
@@ -234,8 +279,11 @@ def _steps(
     weights: list[Tensor],
     biases: list[Tensor],
     flags: list[list[bool]],
-    anchors: list[Tensor],
-    linears: list[Tensor],
+    flat: Tensor,
+    anchor: Tensor,
+    linear: Tensor,
+    pull: Tensor,
+    iterates: Tensor,
     inputs: list[Tensor],
     inputs_t: list[Tensor],
     first: int,
@@ -247,43 +295,40 @@ def _steps(
     lowest_logit: float,
     lr: float,
     shrink: float,
-    strength: float,
-    use_anchor: bool,
-    use_linear: bool,
     lowest: int,
-) -> tuple[list[Tensor], list[Tensor]]:
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
     """SGD steps of a plain-layer model whose last layer is a linear head, updating ``weights``
     and ``biases`` in place.
 
     TorchScript-compatible. Per layer ``i``: ``kinds[i]``, integer ``settings[i]``,
-    ``weights[i]`` / ``biases[i]`` (empty when absent), ``flags[i] = [has bias, weight trained,
-    bias trained]`` and, at ``2 i`` and ``2 i + 1``, the anchor and linear coefficients of its
-    weight (transposed for linear body layers) and bias. Per step: its input (and, for the
-    linear layer ``first`` that reads it, its transpose), ``-onehot(y)^T * mask / n`` and
-    ``mask / n``. Linear body layers are trained transposed (``W^T``, contiguous) and copied back
-    at the end; the head computes transposed logits ``W a^T``. With 10-row minibatches and
+    ``weights[i]`` / ``biases[i]`` (empty when absent; linear body layers' weights transposed,
+    ``W^T``, contiguous) and ``flags[i] = [has bias, weight trained, bias trained]``. The trained
+    tensors are views of ``flat``; ``anchor`` and ``linear`` (empty when absent) are the
+    regularizers' coefficients laid out like it, and ``pull`` is ``lr (strength anchor +
+    linear)``, added to ``flat`` at every step after the gradient steps, which shrink the
+    parameters by ``shrink`` (weight decay and the proximal term); ``iterates``, unless empty,
+    sums the parameters each step starts from. Per step: its input (and, for
+    the linear layer ``first`` that reads it, its transpose), ``-onehot(y)^T * mask / n`` and
+    ``mask / n``. The head computes transposed logits ``W a^T``: with 10-row minibatches and
     10-class heads, these are the layouts whose matrix products run fastest. Returns each step's
-    log-probabilities ``[K, B]`` and the proximal and linear terms' value before the step.
+    log-probabilities ``[K, B]`` and, before the step, ``||flat - anchor||^2`` and
+    ``<linear, flat>`` (empty lists without them).
     """
     layers = len(kinds)
     head = layers - 1
-    params: list[Tensor] = []
-    for i in range(layers):
-        body_linear = kinds[i] == "linear" and i < head
-        params.append(weights[i].t().contiguous() if body_linear else weights[i])
+    params = weights
+    scratch = torch.empty_like(anchor)
     log_probs: list[Tensor] = []
-    regularizers: list[Tensor] = []
+    distances: list[Tensor] = []
+    dots: list[Tensor] = []
     for s in range(len(inputs)):
-        if use_anchor or use_linear:
-            value = torch.zeros((), dtype=inputs[s].dtype)
-            for i in range(layers):
-                for j in range(2):
-                    p = params[i] if j == 0 else biases[i]
-                    if flags[i][1 + j] and use_anchor:
-                        value = value + strength / 2 * ((p - anchors[2 * i + j]) ** 2).sum()
-                    if flags[i][1 + j] and use_linear:
-                        value = value - (linears[2 * i + j] * p).sum()
-            regularizers.append(value)
+        if iterates.numel() > 0:
+            iterates.add_(flat)
+        if anchor.numel() > 0:  # into a buffer kept across steps: no allocation per step
+            difference = torch.sub(flat, anchor, out=scratch)
+            distances.append(torch.dot(difference, difference))
+        if linear.numel() > 0:
+            dots.append(torch.dot(linear, flat))
         saved: list[Tensor] = []
         indices: list[Tensor] = []
         shapes: list[list[int]] = []
@@ -322,11 +367,9 @@ def _steps(
         if head > lowest:
             grad = torch.mm(grad_t.t(), params[head])  # before this step's update
         if flags[head][1]:
-            p = _regularize(params[head], anchors[2 * head], linears[2 * head], lr, shrink, strength, use_anchor, use_linear)  # fmt: skip
-            p.addmm_(grad_t, a, beta=1.0, alpha=-lr)
+            params[head].addmm_(grad_t, a, beta=shrink, alpha=-lr)
         if flags[head][2]:
-            p = _regularize(biases[head], anchors[2 * head + 1], linears[2 * head + 1], lr, shrink, strength, use_anchor, use_linear)  # fmt: skip
-            p.addmv_(grad_t, ones, beta=1.0, alpha=-lr)
+            biases[head].addmv_(grad_t, ones, beta=shrink, alpha=-lr)
         for i in range(head - 1, lowest - 1, -1):
             kind, setting, keep, below = kinds[i], settings[i], saved[i], i > lowest
             if kind == "linear":
@@ -335,11 +378,9 @@ def _steps(
                     grad_in = torch.mm(grad, params[i].t())  # before this step's update
                 if flags[i][1]:
                     left = inputs_t[s] if i == first else keep.t()
-                    p = _regularize(params[i], anchors[2 * i], linears[2 * i], lr, shrink, strength, use_anchor, use_linear)  # fmt: skip
-                    p.addmm_(left, grad, beta=1.0, alpha=-lr)
+                    params[i].addmm_(left, grad, beta=shrink, alpha=-lr)
                 if flags[i][2]:
-                    p = _regularize(biases[i], anchors[2 * i + 1], linears[2 * i + 1], lr, shrink, strength, use_anchor, use_linear)  # fmt: skip
-                    p.addmv_(grad.t(), ones, beta=1.0, alpha=-lr)
+                    biases[i].addmv_(grad.t(), ones, beta=shrink, alpha=-lr)
                 grad = grad_in
             elif kind == "conv":
                 bias_sizes: list[int] | None = None
@@ -359,11 +400,9 @@ def _steps(
                     [below, flags[i][1], flags[i][2]],
                 )
                 if flags[i][1]:
-                    p = _regularize(params[i], anchors[2 * i], linears[2 * i], lr, shrink, strength, use_anchor, use_linear)  # fmt: skip
-                    p.add_(grad_w, alpha=-lr)
+                    _shrunk(params[i], shrink).add_(grad_w, alpha=-lr)
                 if flags[i][2]:
-                    p = _regularize(biases[i], anchors[2 * i + 1], linears[2 * i + 1], lr, shrink, strength, use_anchor, use_linear)  # fmt: skip
-                    p.add_(grad_b, alpha=-lr)
+                    _shrunk(biases[i], shrink).add_(grad_b, alpha=-lr)
                 grad = grad_in
             elif kind == "relu":
                 grad = torch.ops.aten.threshold_backward(grad, keep, 0.0)
@@ -373,27 +412,13 @@ def _steps(
                 )  # fmt: skip
             elif kind == "flatten":
                 grad = grad.reshape(shapes[i])
-    for i in range(head):
-        if kinds[i] == "linear" and flags[i][1]:
-            weights[i].copy_(params[i].t())
-    return log_probs, regularizers
+        if pull.numel() > 0:
+            flat.add_(pull)
+    return log_probs, distances, dots
 
 
-def _regularize(
-    p: Tensor,
-    anchor: Tensor,
-    linear: Tensor,
-    lr: float,
-    shrink: float,
-    strength: float,
-    use_anchor: bool,
-    use_linear: bool,
-) -> Tensor:
-    """``p`` after this step's weight decay, proximal pull and linear push (in place)."""
+def _shrunk(p: Tensor, shrink: float) -> Tensor:
+    """``p`` scaled by ``shrink`` in place (weight decay and the proximal pull's shrinkage)."""
     if shrink != 1.0:
         p.mul_(shrink)
-    if use_anchor and strength != 0.0:
-        p.add_(anchor, alpha=lr * strength)
-    if use_linear:
-        p.add_(linear, alpha=lr)
     return p

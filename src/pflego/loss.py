@@ -7,6 +7,7 @@ declared by its fields, so that :mod:`pflego.fused` can run SGD on it without au
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,8 @@ class ModelLoss:
     ``loss(p, x, y, mask) = CE(forward({**fixed, **p}, x), y; mask, label_mask)
     + strength / 2 * ||p - anchor||^2 - <linear, p>``
 
+    With ``sample_weights``, the cross-entropy is ``sum_s w_s mask_s CE_s / sum_s mask_s``.
+
     Called like any loss function (``train_steps`` differentiates it with ``torch.func``); its
     fields let :mod:`pflego.fused` run SGD on it without autograd.
 
@@ -54,6 +57,9 @@ class ModelLoss:
         anchor: The point of the proximal term (FedProx, Ditto, pFedMe, FedDyn), keyed like ``p``.
         strength: The proximal term's weight (``lambda``, ``mu``, ``alpha``).
         linear: The linear term's coefficients (FedDyn's ``grad L_k``), keyed like ``p``.
+        sample_weights: ``[n]``, a weight per sample of the client's data (FedEM's
+            responsibilities), or ``None``. ``train_steps`` calls the loss on a minibatch
+            ``idx`` as :meth:`on_samples` ``(idx)``, whose weights are the batch's.
     """
 
     model: SplitModel | None
@@ -62,13 +68,22 @@ class ModelLoss:
     anchor: Params | None = None
     strength: float = 0.0
     linear: Params | None = None
+    sample_weights: Tensor | None = None
+
+    def on_samples(self, idx: Tensor) -> ModelLoss:
+        """The loss on the minibatch of samples ``idx``: its sample weights are theirs."""
+        if self.sample_weights is None:
+            return self
+        return dataclasses.replace(self, sample_weights=self.sample_weights[idx])
 
     def logits(self, params: Params, x: Tensor) -> Tensor:
         full = {**self.fixed, **params}
         return head_logits(full, x) if self.model is None else self.model.forward(full, x)
 
     def __call__(self, params: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
-        value = masked_cross_entropy(self.logits(params, x), y, mask, self.label_mask)
+        weights = mask if self.sample_weights is None else mask * self.sample_weights
+        value = (cross_entropies(self.logits(params, x), y, self.label_mask) * weights).sum()
+        value = value / mask.sum().clamp(min=1)
         if self.anchor is not None:
             value = value + self.strength / 2 * tree.sq_norm(tree.sub(params, self.anchor))
         if self.linear is not None:

@@ -19,7 +19,8 @@ and uploads ``theta - theta_i`` per component. The server averages each componen
 log-softmax leaves it unchanged and its argmax is the mixture's.
 
 Symbols to code: theta_m -> ``body.*[m]`` and ``head.*[m]`` (shared; every parameter has a leading
-axis of size M, and the M components run as one ``torch.func.vmap`` over it), pi_i ->
+axis of size M; the M components' forward passes run as one ``torch.func.vmap`` over it, and
+they train one after the other, as fused SGD steps where the backend allows), pi_i ->
 ``mixture.weights`` (personal, ``[M]``, uniform at the first visit), q -> ``responsibilities``,
 M -> ``components``. Component m is initialized like FedAvg's model with the seed ``seed + 2m``,
 so with M = 1 FedEM is FedAvg exactly.
@@ -50,7 +51,7 @@ from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
 from pflego.local import train_steps
-from pflego.loss import cross_entropies
+from pflego.loss import ModelLoss, cross_entropies
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, Schedule
 
@@ -105,21 +106,23 @@ class FedEM(Algorithm):
     def fit_components(
         self, components: Params, responsibilities: Tensor, data: ClientData, ctx: RoundContext
     ) -> tuple[Params, Tensor]:
-        """Eq. (10) approximated: the local schedule on the responsibility-weighted losses."""
-        x = data.x
+        """Eq. (10) approximated: the local schedule on the responsibility-weighted losses.
 
-        def loss(params: Params, idx: Tensor, y: Tensor, mask: Tensor) -> Tensor:
-            # the loop hands over sample indices, which pick both inputs and responsibilities
-            per_sample = cross_entropies(self.component_logits(params, x[idx]), y, data.label_mask)
-            weighted = per_sample * responsibilities[:, idx] * mask
-            return (weighted.sum(-1) / mask.sum().clamp(min=1)).sum()
-
-        indexed = data._replace(x=torch.arange(x.shape[0], device=x.device))
+        The loss is a sum over components, each term depending on its own component only, so
+        (with the client optimizer acting leaf by leaf) the components train one after the other
+        on the same minibatches: each on a declared loss, whose SGD steps may run fused.
+        """
         opt = self.client_optimizer
-        trained, _, mean_loss = train_steps(
-            loss, components, indexed, opt, opt.init(components), ctx.client_lr
-        )
-        return trained, mean_loss
+        trained, total = [], torch.zeros(())
+        for m in range(self.components):
+            theta = {k: v[m] for k, v in components.items()}
+            loss = ModelLoss(self.model, data.label_mask, sample_weights=responsibilities[m])
+            theta, _, mean_loss = train_steps(
+                loss, theta, data, opt, opt.init(theta), ctx.client_lr
+            )
+            trained.append(theta)
+            total = total + mean_loss
+        return tree.stack(trained), total
 
     def em_round(
         self, components: Params, weights: Tensor, data: ClientData, ctx: RoundContext

@@ -68,8 +68,8 @@ from torch.func import grad_and_value
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
-from pflego.local import train_steps
-from pflego.loss import masked_cross_entropy
+from pflego.local import train_steps, train_steps_summing_iterates
+from pflego.loss import ModelLoss, masked_cross_entropy
 from pflego.optim import OptState
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, Schedule, ServerState
@@ -220,11 +220,9 @@ class PGFed(Algorithm):
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
         theta = tree.select(downlink, MODEL)
         aux, state = self.auxiliary_gradient(downlink, state)
-        risk = lambda p, x, y, m: self.loss(p, x, y, m, data.label_mask)  # noqa: E731
-        objective = lambda p, x, y, m: risk(p, x, y, m) + tree.dot(aux, p)  # noqa: E731
         kept = tree.strip_prefix("opt.", state) if self.keep_optimizer else None
         local, iterates, steps, opt_state = self.descend(
-            objective, theta, data, ctx.client_lr, kept
+            self.objective(aux, data), theta, data, ctx.client_lr, kept
         )
         grad, loss = self.full_gradient(local, data)
         upload = {
@@ -243,6 +241,14 @@ class PGFed(Algorithm):
             new_state |= tree.add_prefix("opt.", opt_state)
         return ClientOut(upload, data.num_samples, {"loss": loss.detach()}), new_state
 
+    def objective(self, aux: Params, data: ClientData):
+        """``f_i(theta; batch) + <g~_i, theta>`` (Eq. 10's gradient is its gradient): a declared
+        loss, whose SGD steps may run fused, unless ``loss`` is overridden."""
+        if type(self).loss is Algorithm.loss:
+            return ModelLoss(self.model, data.label_mask, linear=tree.scale(aux, -1.0))
+        risk = lambda p, x, y, m: self.loss(p, x, y, m, data.label_mask)  # noqa: E731
+        return lambda p, x, y, m: risk(p, x, y, m) + tree.dot(aux, p)
+
     def descend(
         self,
         objective,
@@ -258,13 +264,10 @@ class PGFed(Algorithm):
         """
         if opt_state is None:
             opt_state = self.client_optimizer.init(params)
-        iterates, steps = tree.zeros_like(params), torch.zeros((), dtype=data.batch_mask.dtype)
-        for s in range(data.batches.shape[0]):
-            real = (data.batch_mask[s].sum() > 0).to(data.batch_mask.dtype)
-            iterates, steps = tree.axpy(real, params, iterates), steps + real
-            params, opt_state, _ = train_steps(
-                objective, params, data, self.client_optimizer, opt_state, lr, slice(s, s + 1)
-            )
+        params, opt_state, _, iterates = train_steps_summing_iterates(
+            objective, params, data, self.client_optimizer, opt_state, lr
+        )
+        steps = (data.batch_mask.sum(-1) > 0).to(data.batch_mask.dtype).sum()
         return params, iterates, steps, opt_state
 
     def full_gradient(self, params: Params, data: ClientData) -> tuple[Params, Tensor]:
