@@ -490,3 +490,31 @@ def test_blocks_with_their_own_data_and_row_overrides(tmp_path, monkeypatch):
     assert "| algorithm | Art: paper / ours (%) |" in text and "| fedavg | 20.00 / — |" in text
     with pytest.raises(DataError, match="train-images-idx3-ubyte.gz"):
         reproduce(path, out=tmp_path / "o2", data_dir=tmp_path / "empty", blocks=["absent"])
+
+
+def test_a_ranked_preset_opens_with_its_leaderboard(tmp_path):
+    path = small_preset(
+        tmp_path,
+        ranked=True,
+        algorithms={
+            "fedavg": {"client_lr": 0.3},
+            "crawl": {"algorithm": "fedavg", "client_lr": 1e-6},
+        },
+    )
+    reproduce(path, out=tmp_path / "out", progress=False)
+    rows = {r["row"]: r for r in csv.DictReader((tmp_path / "out" / "report.csv").open())}
+    assert float(rows["fedavg"]["mean"]) > float(rows["crawl"]["mean"])  # a real step beats a crawl
+    text = (tmp_path / "out" / "report.md").read_text()
+    header = (
+        "| rank | algorithm | test_acc (%) | bottom decile | training s per round | MB per round |"
+    )
+    assert header in text
+    ranked = [
+        line.split(" | ")[1] for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))
+    ]
+    assert ranked == ["fedavg", "crawl"]
+    seconds = float(rows["fedavg"]["seconds_mean"]) / 4
+    assert f"| 1 | fedavg | {100 * float(rows['fedavg']['mean']):.2f} |" in text
+    assert f"| {seconds:.3g} |" in text
+    with pytest.raises(ConfigError, match="ranked='yes' must be true or false"):
+        reproduce(small_preset(tmp_path, ranked="yes"), out=tmp_path / "bad", progress=False)

@@ -45,6 +45,7 @@ PRESET_KEYS = (
     "target_acc",
     "paper_rounds_to_target",
     "paper_gain_over_local",
+    "ranked",
 )
 #: Keys a block may hold beside settings: the datasets it needs (a block whose data is missing is
 #: skipped unless asked for by name) and row overrides that apply in that block only.
@@ -103,6 +104,7 @@ class Preset:
     tune: dict[str, list[tuple[str, list[Any]]]] = field(default_factory=dict)
     sweep: tuple[str, list[Any]] | None = None
     target_acc: float | None = None
+    ranked: bool = False
 
     @property
     def has_blocks(self) -> bool:
@@ -399,6 +401,9 @@ def parse_preset(values: dict[str, Any], name: str) -> Preset:
     target = values.get("target_acc")
     if target is not None and not (isinstance(target, int | float) and 0 < target <= 1):
         raise ConfigError(f"{where}: target_acc={target!r} must be an accuracy in (0, 1]")
+    ranked = values.get("ranked", False)
+    if not isinstance(ranked, bool):
+        raise ConfigError(f"{where}: ranked={ranked!r} must be true or false")
     return Preset(
         name=name,
         description=str(values.get("description") or ""),
@@ -421,6 +426,7 @@ def parse_preset(values: dict[str, Any], name: str) -> Preset:
         tune=tune,
         sweep=sweep,
         target_acc=None if target is None else float(target),
+        ranked=ranked,
     )
 
 

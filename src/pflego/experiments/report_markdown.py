@@ -24,7 +24,7 @@ from pflego.experiments.report_formatting import (
     windows,
 )
 from pflego.experiments.report_rows import RowResult, rows_by_block
-from pflego.experiments.report_tables import main_table, measures_table, seed_table
+from pflego.experiments.report_tables import main_table, measures_table, ranking_table, seed_table
 from pflego.experiments.runs import Plan
 
 #: Settings that describe an experiment in a report's settings line (when equal for all runs).
@@ -133,6 +133,8 @@ def render_markdown(plan: Plan, rows: list[RowResult], target_acc: float | None)
     for block, block_rows in rows_by_block(plan, rows).items():
         if list(plan.blocks) != [ALL]:
             lines += [f"## {block_title(plan, block)}", ""]
+        if plan.ranked:
+            lines += md_table(*ranking_table(block_rows), align="r") + [""]
         lines += md_table(*main_table(block_rows, has_paper), align="r") + [""]
         more = measures_table(block_rows, target_acc)
         if more:

@@ -63,6 +63,31 @@ def main_table(rows: list[RowResult], has_paper: bool) -> tuple[list[str], list[
     return header, cells
 
 
+def ranking_table(rows: list[RowResult]) -> tuple[list[str], list[list[str]]]:
+    """A leaderboard: the rows ranked by their final metric (best first), with the bottom decile,
+    the training seconds per round and the megabytes a round moves (uploads + downloads)."""
+    metric = rows[0].metric if len({r.metric for r in rows}) == 1 else None
+    label = f"{metric}{unit(metric)}" if metric else "metric"
+    scored = [(row, row.stat("final")[0]) for row in rows]
+    scored.sort(key=lambda item: -np.inf if np.isnan(item[1]) else item[1], reverse=True)
+    header = ["rank", "algorithm", label, "bottom decile", "training s per round", "MB per round"]
+    cells = []
+    for rank, (row, _) in enumerate(scored, start=1):
+        rounds = max((s.last_round for s in row.seeds), default=0)
+        moved = [row.cost(k) for k in ("bytes_up_per_round", "bytes_down_per_round")]
+        cells.append(
+            [
+                str(rank),
+                row.label if metric else f"{row.label} [{row.metric}]",
+                fmt_stat(*row.stat("final"), row.metric),
+                fmt_stat(*row.stat("p10"), row.metric),
+                f"{row.stat('seconds')[0] / rounds:.3g}" if rounds else "—",
+                "—" if None in moved else f"{sum(moved) / 1e6:.3g}",
+            ]
+        )
+    return header, cells
+
+
 def measures_table(
     rows: list[RowResult], target_acc: float | None
 ) -> tuple[list[str], list[list[str]]] | None:

@@ -78,6 +78,7 @@ class Plan:
         tuned: block -> row -> the tuning choice (values, score, budget).
         runs: Every planned run (shared runs appear once per row that reads them).
         target_acc: Accuracy (fraction) whose first round the report gives.
+        ranked: The report opens each block with its rows ranked by the metric (a leaderboard).
     """
 
     kind: str
@@ -97,6 +98,7 @@ class Plan:
     tuned: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     runs: list[PlannedRun] = field(default_factory=list)
     target_acc: float | None = None
+    ranked: bool = False
 
     def unique_runs(self) -> list[PlannedRun]:
         """One entry per run directory, in plan order."""
@@ -234,6 +236,7 @@ def build_plan(
         notes=notes,
         tuned={b: dict(t) for b, t in tuned.items()},
         runs=runs,
+        ranked=preset.ranked,
     )
 
 
