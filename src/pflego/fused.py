@@ -22,6 +22,7 @@ transform) returns ``None`` from :func:`fused_sgd_steps`, and the caller uses au
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 
@@ -31,7 +32,7 @@ from torch.nn import functional as F
 
 from pflego.loss import ModelLoss
 from pflego.models import Layer
-from pflego.optim import SGD, Optimizer
+from pflego.optim import SGD, Optimizer, Proximal
 from pflego.tree import Params
 from pflego.types import ClientData
 
@@ -67,7 +68,13 @@ def fused_sgd_steps(
         The trained parameters (new tensors), the mean loss over the real steps and, with
         ``sum_iterates``, the sum of the parameters each real step started from (else ``None``).
     """
-    if not isinstance(loss, ModelLoss) or type(optimizer) is not SGD:
+    if not isinstance(loss, ModelLoss):
+        return None
+    prox = _moreau(loss, optimizer)
+    if prox is not None:  # the optimizer's proximal term: as the loss's, but left out of its value
+        loss = dataclasses.replace(loss, anchor=prox.anchor, strength=prox.lam)
+        optimizer = prox.inner
+    if type(optimizer) is not SGD:
         return None
     plan = layer_plan(loss)
     if plan is None:
@@ -90,7 +97,17 @@ def fused_sgd_steps(
         or "head.weight" not in full
     ):
         return None
-    return _run(plan, loss, params, data, optimizer.weight_decay, float(lr), steps, sum_iterates)
+    logged = prox is None  # the proximal term's value is part of the logged loss
+    return _run(
+        plan, loss, params, data, optimizer.weight_decay, float(lr), steps, sum_iterates, logged
+    )
+
+
+def _moreau(loss: ModelLoss, optimizer: Optimizer) -> Proximal | None:
+    """A :class:`Proximal` optimizer around plain SGD on a loss without a proximal term."""
+    if type(optimizer) is Proximal and type(optimizer.inner) is SGD and loss.anchor is None:
+        return optimizer
+    return None
 
 
 def _keys(layer: Layer, params: Params) -> list[str]:
@@ -122,6 +139,7 @@ def _run(
     lr: float,
     steps: slice,
     sum_iterates: bool,
+    log_proximal: bool = True,
 ) -> tuple[Params, Tensor, Params | None]:
     batches, batch_mask = data.batches[steps], data.batch_mask[steps]
     real = torch.nonzero(batch_mask.sum(1) > 0).flatten()  # empty steps change nothing
@@ -186,7 +204,7 @@ def _run(
             [full.get(layer.bias, empty) for layer in plan],
             [[layer.bias in full, layer.weight in views, layer.bias in views] for layer in plan],
             flat,
-            anchor,
+            anchor if log_proximal else empty,  # only the logged distance reads it
             linear,
             pull,
             iterate_sum,

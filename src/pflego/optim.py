@@ -93,6 +93,34 @@ class Momentum(Optimizer):
 
 
 @dataclass(frozen=True)
+class Proximal(Optimizer):
+    """``inner`` stepping along ``grad + lam (params - anchor)``: a proximal term's gradient in
+    closed form, added to the loss's (one fused op per leaf instead of differentiating it).
+
+    The loss, and so the loss that training logs, leaves the term out (pFedMe's ``f_i``).
+    Around plain :class:`SGD` on a declared loss, the steps run fused (:mod:`pflego.fused`).
+    """
+
+    inner: Optimizer
+    lam: float
+    anchor: Params
+
+    def init(self, params: Params) -> OptState:
+        return self.inner.init(params)
+
+    def with_prox(self, params: Params, grads: Params) -> Params:
+        return {
+            k: torch.add(g, params[k] - self.anchor[k], alpha=self.lam) for k, g in grads.items()
+        }
+
+    def update(self, params, grads, state, lr):
+        return self.inner.update(params, self.with_prox(params, grads), state, lr)
+
+    def masked_update(self, params, grads, state, lr, active):
+        return self.inner.masked_update(params, self.with_prox(params, grads), state, lr, active)
+
+
+@dataclass(frozen=True)
 class Adam(Optimizer):
     """Adam as in ``torch.optim.Adam`` (bias-corrected moments, eps outside the square root)."""
 

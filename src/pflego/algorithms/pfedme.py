@@ -65,7 +65,8 @@ from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
 from pflego.local import train_steps
-from pflego.optim import Optimizer, OptState
+from pflego.loss import ModelLoss
+from pflego.optim import Proximal
 from pflego.rng import seed_for
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext
@@ -133,9 +134,14 @@ class PFedMe(Algorithm):
     ) -> tuple[Params, Tensor]:
         """K steps on ``f_i(theta; D) + lam/2 ||theta - anchor||^2`` (an empty D changes nothing).
 
-        Returns the new theta and the mean of ``f_i(theta; D)`` over the steps.
+        Returns the new theta and the mean of ``f_i(theta; D)`` over the steps. The Moreau term
+        is the optimizer's (:class:`~pflego.optim.Proximal`), not the loss's, so the logged loss
+        is ``f_i``; on a declared loss, plain SGD's K steps run fused.
         """
-        loss = lambda p, x, y, m: self.loss(p, x, y, m, batch.label_mask)  # noqa: E731
+        if type(self).loss is Algorithm.loss:  # declared, so that SGD on it may run fused
+            loss = ModelLoss(self.model, batch.label_mask)
+        else:
+            loss = lambda p, x, y, m: self.loss(p, x, y, m, batch.label_mask)  # noqa: E731
         solver = Proximal(self.client_optimizer, self.lam, anchor)
         theta, _, mean_loss = train_steps(
             loss, theta, batch, solver, solver.init(theta), self.personal_lr
@@ -187,27 +193,3 @@ class PFedMe(Algorithm):
                 {k: v[pick] for k, v in out.metrics.items()},
             )
         return self.server_update(server, self.aggregate(out, ctx), ctx)
-
-
-@dataclass(frozen=True)
-class Proximal(Optimizer):
-    """``inner`` stepping along ``grad + lam (params - anchor)``: the Moreau term's gradient in
-    closed form, added to the loss's (one fused op per leaf instead of differentiating it)."""
-
-    inner: Optimizer
-    lam: float
-    anchor: Params
-
-    def init(self, params: Params) -> OptState:
-        return self.inner.init(params)
-
-    def with_prox(self, params: Params, grads: Params) -> Params:
-        return {
-            k: torch.add(g, params[k] - self.anchor[k], alpha=self.lam) for k, g in grads.items()
-        }
-
-    def update(self, params, grads, state, lr):
-        return self.inner.update(params, self.with_prox(params, grads), state, lr)
-
-    def masked_update(self, params, grads, state, lr, active):
-        return self.inner.masked_update(params, self.with_prox(params, grads), state, lr, active)
