@@ -229,7 +229,8 @@ def test_a_proximal_optimizer_fuses_and_logs_the_loss_without_its_term(weight_de
 
 @pytest.mark.parametrize("name", ["mlp", "conv"])
 def test_pfedme_rounds_fused_equal_autograd_and_fuses_says_so(name):
-    """pFedMe's R local iterations of K prox steps each: fused as with autograd, every step."""
+    """pFedMe's R local iterations of K prox steps each, the anchor moving after each: fused,
+    in one call, as with autograd."""
     model, params, x, y = setting(name)
     data = client(x, y, 4, 2.0)
     algorithm = PFedMe(model=model, lam=3.0, K=3, personal_lr=0.05, client_optimizer=SGD(0.01))
@@ -238,7 +239,7 @@ def test_pfedme_rounds_fused_equal_autograd_and_fuses_says_so(name):
     ref_out, ref_state = algorithm.client_update(params, state, data, ctx)
     with fused_steps() as counts:
         out, new_state = algorithm.client_update(params, state, data, ctx)
-    assert (counts.fused, counts.autograd) == (len(data.batches), 0)  # one call per iteration
+    assert (counts.fused, counts.autograd) == (1, 0)  # all R iterations in one call
     for got, expected in ((out.upload, ref_out.upload), (new_state, ref_state)):
         for k in expected:
             torch.testing.assert_close(got[k], expected[k], atol=1e-10, rtol=1e-9, msg=k)
@@ -248,3 +249,27 @@ def test_pfedme_rounds_fused_equal_autograd_and_fuses_says_so(name):
     assert not fuses(
         dataclasses.replace(algorithm, client_optimizer=Momentum()), params, state, data, ctx
     )
+
+
+def test_a_moving_anchor_continues_across_calls_from_its_state():
+    """``Proximal(every=3)``: two slices of the schedule carry the anchor and its step count in
+    the state, fused or not, and end where one pass over all steps ends."""
+    model, params, x, y = setting("conv")
+    data = client(x, y, 4, 3.0)
+    solver = Proximal(SGD(), 0.7, {k: v * 0.5 for k, v in params.items()}, every=3, follow=0.2)
+    loss = ModelLoss(model, data.label_mask)
+    whole, state, _ = train_steps(loss, params, data, solver, solver.init(params), 0.3)
+    for fused in (False, True):
+        with fused_steps(fused) as counts:
+            half, split = train_steps(
+                loss, params, data, solver, solver.init(params), 0.3, slice(0, 3)
+            )[:2]
+            half, split, _ = train_steps(loss, half, data, solver, split, 0.3, slice(3, None))
+        assert counts.fused == 2 * int(fused)
+        for k in params:
+            torch.testing.assert_close(half[k], whole[k], atol=1e-10, rtol=1e-9)
+            anchor = solver.current_anchor(split)[k]
+            torch.testing.assert_close(
+                anchor, solver.current_anchor(state)[k], atol=1e-10, rtol=1e-9
+            )
+            assert not torch.equal(anchor, solver.anchor[k])  # it moved

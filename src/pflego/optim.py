@@ -97,27 +97,54 @@ class Proximal(Optimizer):
     """``inner`` stepping along ``grad + lam (params - anchor)``: a proximal term's gradient in
     closed form, added to the loss's (one fused op per leaf instead of differentiating it).
 
-    The loss, and so the loss that training logs, leaves the term out (pFedMe's ``f_i``).
-    Around plain :class:`SGD` on a declared loss, the steps run fused (:mod:`pflego.fused`).
+    The loss, and so the loss that training logs, leaves the term out (pFedMe's ``f_i``). With
+    ``every > 0`` the anchor is state and moves after every ``every`` real steps,
+    ``anchor <- anchor - follow (anchor - params)`` (pFedMe's local model after its K personal
+    steps on a minibatch). Around plain :class:`SGD` on a declared loss, the steps run fused
+    (:mod:`pflego.fused`).
     """
 
     inner: Optimizer
     lam: float
     anchor: Params
+    every: int = 0
+    follow: float = 0.0
 
     def init(self, params: Params) -> OptState:
-        return self.inner.init(params)
+        state = self.inner.init(params)
+        if self.every > 0:
+            state = state | {f"{ANCHOR}{k}": v for k, v in self.anchor.items()}
+            state[STEPS] = _step_counter(params)
+        return state
 
-    def with_prox(self, params: Params, grads: Params) -> Params:
-        return {
-            k: torch.add(g, params[k] - self.anchor[k], alpha=self.lam) for k, g in grads.items()
-        }
+    def current_anchor(self, state: OptState) -> Params:
+        """The anchor the next step is pulled to."""
+        if self.every <= 0:
+            return self.anchor
+        return {k: state[f"{ANCHOR}{k}"] for k in self.anchor}
+
+    def with_prox(self, params: Params, grads: Params, anchor: Params) -> Params:
+        return {k: torch.add(g, params[k] - anchor[k], alpha=self.lam) for k, g in grads.items()}
 
     def update(self, params, grads, state, lr):
-        return self.inner.update(params, self.with_prox(params, grads), state, lr)
+        return self.masked_update(params, grads, state, lr, torch.ones((), dtype=torch.bool))
 
     def masked_update(self, params, grads, state, lr, active):
-        return self.inner.masked_update(params, self.with_prox(params, grads), state, lr, active)
+        anchor = self.current_anchor(state)
+        inner_state = {k: v for k, v in state.items() if not k.startswith(PROXIMAL)}
+        params, inner_state = self.inner.masked_update(
+            params, self.with_prox(params, grads, anchor), inner_state, lr, active
+        )
+        if self.every <= 0:
+            return params, inner_state
+        steps = state[STEPS] + active.to(state[STEPS].dtype)
+        move = active & (torch.remainder(steps, self.every) == 0)
+        moved = tree.where(move, tree.axpy(-self.follow, tree.sub(anchor, params), anchor), anchor)
+        return params, inner_state | {f"{ANCHOR}{k}": v for k, v in moved.items()} | {STEPS: steps}
+
+
+PROXIMAL = "proximal."  # the prefix of Proximal's own state
+ANCHOR, STEPS = f"{PROXIMAL}anchor.", f"{PROXIMAL}steps"
 
 
 @dataclass(frozen=True)

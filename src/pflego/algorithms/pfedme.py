@@ -129,46 +129,57 @@ class PFedMe(Algorithm):
             for r in range(rows)
         ]
 
+    def iterations(self, data: ClientData) -> ClientData:
+        """The R local iterations as one schedule: each minibatch D's row repeated K times."""
+        return data._replace(
+            batches=data.batches.repeat_interleave(self.K, 0),
+            batch_mask=data.batch_mask.repeat_interleave(self.K, 0),
+        )
+
+    def solve(
+        self, theta: Params, anchor: Params, data: ClientData, follow: float | None = None
+    ) -> tuple[Params, Params, Tensor]:
+        """Steps on ``f_i(theta; D) + lam/2 ||theta - anchor||^2`` along ``data``'s schedule;
+        with ``follow``, the anchor moves ``anchor <- anchor - follow (anchor - theta)`` after
+        every K real steps (line 8 of Algorithm 1). Empty steps change nothing.
+
+        Returns theta, the anchor and the mean of ``f_i(theta; D)`` over the real steps. The
+        Moreau term is the optimizer's (:class:`~pflego.optim.Proximal`), not the loss's, so the
+        logged loss is ``f_i``; on a declared loss, plain SGD's steps run fused, all in one call.
+        """
+        if type(self).loss is Algorithm.loss:  # declared, so that SGD on it may run fused
+            loss = ModelLoss(self.model, data.label_mask)
+        else:
+            loss = lambda p, x, y, m: self.loss(p, x, y, m, data.label_mask)  # noqa: E731
+        every = 0 if follow is None else self.K
+        solver = Proximal(self.client_optimizer, self.lam, anchor, every, follow or 0.0)
+        theta, state, mean_loss = train_steps(
+            loss, theta, data, solver, solver.init(theta), self.personal_lr
+        )
+        return theta, solver.current_anchor(state), mean_loss
+
     def personal_solve(
         self, theta: Params, anchor: Params, batch: ClientData
     ) -> tuple[Params, Tensor]:
-        """K steps on ``f_i(theta; D) + lam/2 ||theta - anchor||^2`` (an empty D changes nothing).
-
-        Returns the new theta and the mean of ``f_i(theta; D)`` over the steps. The Moreau term
-        is the optimizer's (:class:`~pflego.optim.Proximal`), not the loss's, so the logged loss
-        is ``f_i``; on a declared loss, plain SGD's K steps run fused.
-        """
-        if type(self).loss is Algorithm.loss:  # declared, so that SGD on it may run fused
-            loss = ModelLoss(self.model, batch.label_mask)
-        else:
-            loss = lambda p, x, y, m: self.loss(p, x, y, m, batch.label_mask)  # noqa: E731
-        solver = Proximal(self.client_optimizer, self.lam, anchor)
-        theta, _, mean_loss = train_steps(
-            loss, theta, batch, solver, solver.init(theta), self.personal_lr
-        )
+        """K steps on ``f_i(theta; D) + lam/2 ||theta - anchor||^2`` for one of
+        :meth:`minibatches`: the new theta and the mean of ``f_i(theta; D)`` over the steps."""
+        theta, _, mean_loss = self.solve(theta, anchor, batch)
         return theta, mean_loss
 
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
-        local, theta = dict(downlink), dict(downlink)
-        total, count = torch.zeros(()), torch.zeros(())
-        for batch in self.minibatches(data):
-            theta, loss = self.personal_solve(theta, local, batch)
-            active = batch.mask.sum() > 0  # padding iterations change nothing
-            moved = tree.axpy(-ctx.client_lr * self.lam, tree.sub(local, theta), local)
-            local = tree.where(active, moved, local)
-            total = total + torch.where(active, loss.detach(), 0.0)
-            count = count + active.to(count.dtype)
+        follow = ctx.client_lr * self.lam  # w_i <- w_i - eta lam (w_i - theta) after K steps
+        theta, local, loss = self.solve(
+            dict(downlink), dict(downlink), self.iterations(data), follow
+        )
         weight = (
             data.num_samples if self.weights == "samples" else torch.ones_like(data.num_samples)
         )
-        out = ClientOut(tree.sub(downlink, local), weight, {"loss": total / count.clamp(min=1)})
+        out = ClientOut(tree.sub(downlink, local), weight, {"loss": loss.detach()})
         return out, {**theta, PERSONALIZED: torch.ones(())}
 
     def join(self, downlink, state, data: ClientData, ctx: RoundContext):
         """A new client's personal model: the proximal solve around the received w."""
-        theta = dict(downlink)
-        for batch in self.minibatches(data):
-            theta, _ = self.personal_solve(theta, downlink, batch)
+        theta, _, _ = self.solve(dict(downlink), downlink, self.iterations(data))
         return {**theta, PERSONALIZED: torch.ones(())}
 
     def predict_global(self, downlink, state, x):
