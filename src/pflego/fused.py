@@ -364,7 +364,7 @@ def _steps(
     linear)``, added to ``flat`` at every step after the gradient steps, which shrink the
     parameters by ``shrink`` (weight decay and the proximal term); ``iterates``, unless empty,
     sums the parameters each step starts from. After the steps where ``moves`` says so, the
-    anchor ``moving`` moves by ``moving <- moving - follow (moving - flat)`` and ``pull`` follows
+    anchor ``moving`` moves by ``moving <- moving + follow (flat - moving)`` and ``pull`` follows
     it (``pull_scale = lr strength``). Per step: its input (and, for
     the linear layer ``first`` that reads it, its transpose), ``-onehot(y)^T * mask / n`` and
     ``mask / n``. The head computes transposed logits ``W a^T``: with 10-row minibatches and
@@ -473,7 +473,7 @@ def _steps(
         if pull.numel() > 0:
             flat.add_(pull)
         if len(moves) > 0 and moves[s]:  # the anchor moves toward the parameters
-            moving.add_(moving - flat, alpha=-follow)
+            moving.lerp_(flat, follow)
             torch.mul(moving, pull_scale, out=pull)
             if linear.numel() > 0:
                 pull.add_(linear, alpha=lr)

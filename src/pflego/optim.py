@@ -139,8 +139,12 @@ class Proximal(Optimizer):
             return params, inner_state
         steps = state[STEPS] + active.to(state[STEPS].dtype)
         move = active & (torch.remainder(steps, self.every) == 0)
-        moved = tree.where(move, tree.axpy(-self.follow, tree.sub(anchor, params), anchor), anchor)
-        return params, inner_state | {f"{ANCHOR}{k}": v for k, v in moved.items()} | {STEPS: steps}
+        # one pass per leaf on every step (under vmap, no branch): a zero weight where none moves
+        weight = move.to(steps.dtype) * self.follow
+        moved = {
+            f"{ANCHOR}{k}": torch.lerp(v, params[k], weight.to(v.dtype)) for k, v in anchor.items()
+        }
+        return params, inner_state | moved | {STEPS: steps}
 
 
 PROXIMAL = "proximal."  # the prefix of Proximal's own state
