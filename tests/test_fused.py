@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 from torch.func import vmap
 
+from pflego.algorithms.pfedme import PFedMe
 from pflego.fused import fused_sgd_steps
 from pflego.local import fused_steps, train_steps, train_steps_summing_iterates
 from pflego.loss import ModelLoss
 from pflego.models import SplitModel, apply_layers, build_model, init_head
-from pflego.optim import SGD, Momentum
+from pflego.optim import SGD, Momentum, Proximal
+from pflego.sim.backends import fuses
 from pflego.sim.clients import schedule
-from pflego.types import ClientData
+from pflego.types import ClientData, RoundContext
 
 
 def conv_model() -> SplitModel:
@@ -197,3 +201,75 @@ def test_evaluation_shortcuts_compute_what_the_modules_compute(name):
         batched = vmap(lambda xb: apply_layers(model.layers, params, xb))(x.expand(2, *x.shape))
         torch.testing.assert_close(batched[1], expected)
     torch.testing.assert_close(apply_layers(model.layers, params, x), expected)  # with autograd
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_a_proximal_optimizer_fuses_and_logs_the_loss_without_its_term(weight_decay):
+    """``Proximal(SGD)`` on a declared loss: the same steps as autograd, and the logged value is
+    the loss's alone, as the autograd path logs it."""
+    model, params, x, y = setting("mlp")
+    data = client(x, y, 4, 2.0)
+    gen = torch.Generator().manual_seed(4)
+    anchor = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
+    solver = Proximal(SGD(weight_decay=weight_decay), 0.7, anchor)
+    (ref, _, ref_loss), (out, _, out_loss), counts = both(
+        ModelLoss(model, data.label_mask), params, data, solver
+    )
+    assert (counts.fused, counts.autograd) == (1, 0)
+    for k in ref:
+        torch.testing.assert_close(out[k], ref[k], atol=1e-10, rtol=1e-9, msg=k)
+    torch.testing.assert_close(out_loss, ref_loss, atol=1e-10, rtol=1e-9)
+    with fused_steps() as counts:  # a loss with its own proximal term, or momentum: autograd
+        proximal = ModelLoss(model, data.label_mask, anchor=anchor, strength=0.1)
+        train_steps(proximal, params, data, solver, {}, 0.3)
+        inner = Proximal(Momentum(), 0.7, anchor)
+        train_steps(ModelLoss(model, data.label_mask), params, data, inner, inner.init(params), 0.3)
+    assert (counts.fused, counts.autograd) == (0, 2)
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv"])
+def test_pfedme_rounds_fused_equal_autograd_and_fuses_says_so(name):
+    """pFedMe's R local iterations of K prox steps each, the anchor moving after each: fused,
+    in one call, as with autograd."""
+    model, params, x, y = setting(name)
+    data = client(x, y, 4, 2.0)
+    algorithm = PFedMe(model=model, lam=3.0, K=3, personal_lr=0.05, client_optimizer=SGD(0.01))
+    ctx = RoundContext(0, 1, 1.0, 13, 0.2, 1.0)
+    state = algorithm.init_client(params, None, ctx)
+    ref_out, ref_state = algorithm.client_update(params, state, data, ctx)
+    with fused_steps() as counts:
+        out, new_state = algorithm.client_update(params, state, data, ctx)
+    assert (counts.fused, counts.autograd) == (1, 0)  # all R iterations in one call
+    for got, expected in ((out.upload, ref_out.upload), (new_state, ref_state)):
+        for k in expected:
+            torch.testing.assert_close(got[k], expected[k], atol=1e-10, rtol=1e-9, msg=k)
+    torch.testing.assert_close(out.metrics["loss"], ref_out.metrics["loss"], atol=1e-10, rtol=1e-9)
+    assert not torch.equal(out.upload["head.weight"], torch.zeros_like(params["head.weight"]))
+    assert fuses(algorithm, params, state, data, ctx)
+    assert not fuses(
+        dataclasses.replace(algorithm, client_optimizer=Momentum()), params, state, data, ctx
+    )
+
+
+def test_a_moving_anchor_continues_across_calls_from_its_state():
+    """``Proximal(every=3)``: two slices of the schedule carry the anchor and its step count in
+    the state, fused or not, and end where one pass over all steps ends."""
+    model, params, x, y = setting("conv")
+    data = client(x, y, 4, 3.0)
+    solver = Proximal(SGD(), 0.7, {k: v * 0.5 for k, v in params.items()}, every=3, follow=0.2)
+    loss = ModelLoss(model, data.label_mask)
+    whole, state, _ = train_steps(loss, params, data, solver, solver.init(params), 0.3)
+    for fused in (False, True):
+        with fused_steps(fused) as counts:
+            half, split = train_steps(
+                loss, params, data, solver, solver.init(params), 0.3, slice(0, 3)
+            )[:2]
+            half, split, _ = train_steps(loss, half, data, solver, split, 0.3, slice(3, None))
+        assert counts.fused == 2 * int(fused)
+        for k in params:
+            torch.testing.assert_close(half[k], whole[k], atol=1e-10, rtol=1e-9)
+            anchor = solver.current_anchor(split)[k]
+            torch.testing.assert_close(
+                anchor, solver.current_anchor(state)[k], atol=1e-10, rtol=1e-9
+            )
+            assert not torch.equal(anchor, solver.anchor[k])  # it moved

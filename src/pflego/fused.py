@@ -22,6 +22,7 @@ transform) returns ``None`` from :func:`fused_sgd_steps`, and the caller uses au
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 
@@ -31,7 +32,7 @@ from torch.nn import functional as F
 
 from pflego.loss import ModelLoss
 from pflego.models import Layer
-from pflego.optim import SGD, Optimizer
+from pflego.optim import ANCHOR, SGD, STEPS, Optimizer, OptState, Proximal
 from pflego.tree import Params
 from pflego.types import ClientData
 
@@ -60,14 +61,28 @@ def fused_sgd_steps(
     lr: float | Tensor,
     steps: slice = slice(None),
     sum_iterates: bool = False,
-) -> tuple[Params, Tensor, Params | None] | None:
+    opt_state: OptState | None = None,
+) -> tuple[Params, OptState, Tensor, Params | None] | None:
     """``train_steps`` for plain SGD on a :class:`ModelLoss`, or ``None`` when it does not apply.
 
+    SGD inside a :class:`~pflego.optim.Proximal` optimizer is SGD on the loss with that proximal
+    term, whose value is left out of the logged loss; its anchor (from ``opt_state`` when it
+    moves) may move after every ``every`` real steps, in the kernel.
+
     Returns:
-        The trained parameters (new tensors), the mean loss over the real steps and, with
-        ``sum_iterates``, the sum of the parameters each real step started from (else ``None``).
+        The trained parameters (new tensors), the optimizer state, the mean loss over the real
+        steps and, with ``sum_iterates``, the sum of the parameters each real step started from
+        (else ``None``).
     """
-    if not isinstance(loss, ModelLoss) or type(optimizer) is not SGD:
+    opt_state = {} if opt_state is None else opt_state
+    if not isinstance(loss, ModelLoss):
+        return None
+    prox = _moreau(loss, optimizer)
+    if prox is not None:  # the optimizer's proximal term: as the loss's, but left out of its value
+        anchor = prox.current_anchor(opt_state)
+        loss = dataclasses.replace(loss, anchor=anchor, strength=prox.lam)
+        optimizer = prox.inner
+    if type(optimizer) is not SGD:
         return None
     plan = layer_plan(loss)
     if plan is None:
@@ -90,7 +105,23 @@ def fused_sgd_steps(
         or "head.weight" not in full
     ):
         return None
-    return _run(plan, loss, params, data, optimizer.weight_decay, float(lr), steps, sum_iterates)
+    moving = prox is not None and prox.every > 0
+    trained, mean_loss, iterates, moved = _run(
+        plan, loss, params, data, optimizer.weight_decay, float(lr), steps, sum_iterates,
+        log_proximal=prox is None, every=prox.every if moving else 0,
+        follow=float(prox.follow) if moving else 0.0, done=int(opt_state[STEPS]) if moving else 0,
+    )  # fmt: skip
+    if moving:
+        opt_state = opt_state | {f"{ANCHOR}{k}": v for k, v in moved[0].items()}
+        opt_state[STEPS] = opt_state[STEPS] + moved[1]
+    return trained, opt_state, mean_loss, iterates
+
+
+def _moreau(loss: ModelLoss, optimizer: Optimizer) -> Proximal | None:
+    """A :class:`Proximal` optimizer around plain SGD on a loss without a proximal term."""
+    if type(optimizer) is Proximal and type(optimizer.inner) is SGD and loss.anchor is None:
+        return optimizer
+    return None
 
 
 def _keys(layer: Layer, params: Params) -> list[str]:
@@ -122,13 +153,26 @@ def _run(
     lr: float,
     steps: slice,
     sum_iterates: bool,
-) -> tuple[Params, Tensor, Params | None]:
+    log_proximal: bool = True,
+    every: int = 0,
+    follow: float = 0.0,
+    done: int = 0,
+) -> tuple[Params, Tensor, Params | None, tuple[Params, int] | None]:
+    """The steps; with ``every > 0``, also the anchor moved after every ``every`` real steps by
+    ``anchor <- anchor - follow (anchor - params)`` (``done`` real steps were taken before) and
+    the number of real steps."""
     batches, batch_mask = data.batches[steps], data.batch_mask[steps]
     real = torch.nonzero(batch_mask.sum(1) > 0).flatten()  # empty steps change nothing
     total, count = torch.zeros(()), torch.zeros(())
+    unmoved = ({k: v.clone() for k, v in loss.anchor.items()}, 0) if every > 0 else None
     if len(real) == 0:
         iterates = {k: torch.zeros_like(v) for k, v in params.items()} if sum_iterates else None
-        return {k: v.clone() for k, v in params.items()}, total / count.clamp(min=1), iterates
+        return (
+            {k: v.clone() for k, v in params.items()},
+            total / count.clamp(min=1),
+            iterates,
+            unmoved,
+        )
     batches, batch_mask = batches[real], batch_mask[real]
     weights = batch_mask / batch_mask.sum(1, keepdim=True).clamp(min=1)  # [S, B]: mask / n_s
     if loss.sample_weights is not None:  # [S, B]: w_idx * mask / n_s
@@ -178,6 +222,9 @@ def _run(
     if linear.numel():
         pull = linear * lr if not pull.numel() else pull.add_(linear, alpha=lr)
     iterate_sum = torch.zeros_like(flat) if sum_iterates else empty
+    moving = anchor.clone() if every > 0 else empty  # the anchor, moved in the kernel
+    # the real steps after which it moves: every ``every``-th counted from the state's count
+    moves = [(done + j + 1) % every == 0 for j in range(len(real))] if every > 0 else []
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
         log_probs, distances, dots = _compiled()(
             [layer.kind for layer in plan],
@@ -186,9 +233,13 @@ def _run(
             [full.get(layer.bias, empty) for layer in plan],
             [[layer.bias in full, layer.weight in views, layer.bias in views] for layer in plan],
             flat,
-            anchor,
+            anchor if log_proximal else empty,  # only the logged distance reads it
             linear,
             pull,
+            moving,
+            moves,
+            follow,
+            lr * strength,
             iterate_sum,
             inputs,
             inputs_t,
@@ -210,7 +261,8 @@ def _run(
         values = values - torch.stack(dots)
     trained = _unflatten(plan, flat, views)
     iterates = _unflatten(plan, iterate_sum, views) if sum_iterates else None
-    return trained, (total + values.sum()) / (count + len(values)), iterates
+    moved = (_unflatten(plan, moving, views), len(real)) if every > 0 else None
+    return trained, (total + values.sum()) / (count + len(values)), iterates, moved
 
 
 def _unflatten(plan: tuple[Layer, ...], vector: Tensor, views: Params) -> Params:
@@ -283,6 +335,10 @@ def _steps(
     anchor: Tensor,
     linear: Tensor,
     pull: Tensor,
+    moving: Tensor,
+    moves: list[bool],
+    follow: float,
+    pull_scale: float,
     iterates: Tensor,
     inputs: list[Tensor],
     inputs_t: list[Tensor],
@@ -307,7 +363,9 @@ def _steps(
     regularizers' coefficients laid out like it, and ``pull`` is ``lr (strength anchor +
     linear)``, added to ``flat`` at every step after the gradient steps, which shrink the
     parameters by ``shrink`` (weight decay and the proximal term); ``iterates``, unless empty,
-    sums the parameters each step starts from. Per step: its input (and, for
+    sums the parameters each step starts from. After the steps where ``moves`` says so, the
+    anchor ``moving`` moves by ``moving <- moving + follow (flat - moving)`` and ``pull`` follows
+    it (``pull_scale = lr strength``). Per step: its input (and, for
     the linear layer ``first`` that reads it, its transpose), ``-onehot(y)^T * mask / n`` and
     ``mask / n``. The head computes transposed logits ``W a^T``: with 10-row minibatches and
     10-class heads, these are the layouts whose matrix products run fastest. Returns each step's
@@ -414,6 +472,11 @@ def _steps(
                 grad = grad.reshape(shapes[i])
         if pull.numel() > 0:
             flat.add_(pull)
+        if len(moves) > 0 and moves[s]:  # the anchor moves toward the parameters
+            moving.lerp_(flat, follow)
+            torch.mul(moving, pull_scale, out=pull)
+            if linear.numel() > 0:
+                pull.add_(linear, alpha=lr)
     return log_probs, distances, dots
 
 

@@ -114,11 +114,12 @@ def _train(
     if counts is not None:
         from pflego.fused import fused_sgd_steps
 
-        fused = fused_sgd_steps(loss_fn, params, data, optimizer, lr, steps, sum_iterates)
+        fused = fused_sgd_steps(
+            loss_fn, params, data, optimizer, lr, steps, sum_iterates, opt_state
+        )
         if fused is not None:
             counts.fused += 1
-            trained, mean_loss, iterates = fused
-            return trained, opt_state, mean_loss, iterates
+            return fused
         counts.autograd += 1
     step_and_loss = grad_and_value(loss_fn)
     # A schedule as wide as the local set is full batch: its rows are arange(n) wherever the mask

@@ -65,7 +65,8 @@ from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
 from pflego.local import train_steps
-from pflego.optim import Optimizer, OptState
+from pflego.loss import ModelLoss
+from pflego.optim import Proximal
 from pflego.rng import seed_for
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext
@@ -128,41 +129,57 @@ class PFedMe(Algorithm):
             for r in range(rows)
         ]
 
+    def iterations(self, data: ClientData) -> ClientData:
+        """The R local iterations as one schedule: each minibatch D's row repeated K times."""
+        return data._replace(
+            batches=data.batches.repeat_interleave(self.K, 0),
+            batch_mask=data.batch_mask.repeat_interleave(self.K, 0),
+        )
+
+    def solve(
+        self, theta: Params, anchor: Params, data: ClientData, follow: float | None = None
+    ) -> tuple[Params, Params, Tensor]:
+        """Steps on ``f_i(theta; D) + lam/2 ||theta - anchor||^2`` along ``data``'s schedule;
+        with ``follow``, the anchor moves ``anchor <- anchor - follow (anchor - theta)`` after
+        every K real steps (line 8 of Algorithm 1). Empty steps change nothing.
+
+        Returns theta, the anchor and the mean of ``f_i(theta; D)`` over the real steps. The
+        Moreau term is the optimizer's (:class:`~pflego.optim.Proximal`), not the loss's, so the
+        logged loss is ``f_i``; on a declared loss, plain SGD's steps run fused, all in one call.
+        """
+        if type(self).loss is Algorithm.loss:  # declared, so that SGD on it may run fused
+            loss = ModelLoss(self.model, data.label_mask)
+        else:
+            loss = lambda p, x, y, m: self.loss(p, x, y, m, data.label_mask)  # noqa: E731
+        every = 0 if follow is None else self.K
+        solver = Proximal(self.client_optimizer, self.lam, anchor, every, follow or 0.0)
+        theta, state, mean_loss = train_steps(
+            loss, theta, data, solver, solver.init(theta), self.personal_lr
+        )
+        return theta, solver.current_anchor(state), mean_loss
+
     def personal_solve(
         self, theta: Params, anchor: Params, batch: ClientData
     ) -> tuple[Params, Tensor]:
-        """K steps on ``f_i(theta; D) + lam/2 ||theta - anchor||^2`` (an empty D changes nothing).
-
-        Returns the new theta and the mean of ``f_i(theta; D)`` over the steps.
-        """
-        loss = lambda p, x, y, m: self.loss(p, x, y, m, batch.label_mask)  # noqa: E731
-        solver = Proximal(self.client_optimizer, self.lam, anchor)
-        theta, _, mean_loss = train_steps(
-            loss, theta, batch, solver, solver.init(theta), self.personal_lr
-        )
+        """K steps on ``f_i(theta; D) + lam/2 ||theta - anchor||^2`` for one of
+        :meth:`minibatches`: the new theta and the mean of ``f_i(theta; D)`` over the steps."""
+        theta, _, mean_loss = self.solve(theta, anchor, batch)
         return theta, mean_loss
 
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
-        local, theta = dict(downlink), dict(downlink)
-        total, count = torch.zeros(()), torch.zeros(())
-        for batch in self.minibatches(data):
-            theta, loss = self.personal_solve(theta, local, batch)
-            active = batch.mask.sum() > 0  # padding iterations change nothing
-            moved = tree.axpy(-ctx.client_lr * self.lam, tree.sub(local, theta), local)
-            local = tree.where(active, moved, local)
-            total = total + torch.where(active, loss.detach(), 0.0)
-            count = count + active.to(count.dtype)
+        follow = ctx.client_lr * self.lam  # w_i <- w_i - eta lam (w_i - theta) after K steps
+        theta, local, loss = self.solve(
+            dict(downlink), dict(downlink), self.iterations(data), follow
+        )
         weight = (
             data.num_samples if self.weights == "samples" else torch.ones_like(data.num_samples)
         )
-        out = ClientOut(tree.sub(downlink, local), weight, {"loss": total / count.clamp(min=1)})
+        out = ClientOut(tree.sub(downlink, local), weight, {"loss": loss.detach()})
         return out, {**theta, PERSONALIZED: torch.ones(())}
 
     def join(self, downlink, state, data: ClientData, ctx: RoundContext):
         """A new client's personal model: the proximal solve around the received w."""
-        theta = dict(downlink)
-        for batch in self.minibatches(data):
-            theta, _ = self.personal_solve(theta, downlink, batch)
+        theta, _, _ = self.solve(dict(downlink), downlink, self.iterations(data))
         return {**theta, PERSONALIZED: torch.ones(())}
 
     def predict_global(self, downlink, state, x):
@@ -187,27 +204,3 @@ class PFedMe(Algorithm):
                 {k: v[pick] for k, v in out.metrics.items()},
             )
         return self.server_update(server, self.aggregate(out, ctx), ctx)
-
-
-@dataclass(frozen=True)
-class Proximal(Optimizer):
-    """``inner`` stepping along ``grad + lam (params - anchor)``: the Moreau term's gradient in
-    closed form, added to the loss's (one fused op per leaf instead of differentiating it)."""
-
-    inner: Optimizer
-    lam: float
-    anchor: Params
-
-    def init(self, params: Params) -> OptState:
-        return self.inner.init(params)
-
-    def with_prox(self, params: Params, grads: Params) -> Params:
-        return {
-            k: torch.add(g, params[k] - self.anchor[k], alpha=self.lam) for k, g in grads.items()
-        }
-
-    def update(self, params, grads, state, lr):
-        return self.inner.update(params, self.with_prox(params, grads), state, lr)
-
-    def masked_update(self, params, grads, state, lr, active):
-        return self.inner.masked_update(params, self.with_prox(params, grads), state, lr, active)
