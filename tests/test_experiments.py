@@ -505,9 +505,7 @@ def test_a_ranked_preset_opens_with_its_leaderboard(tmp_path):
     rows = {r["row"]: r for r in csv.DictReader((tmp_path / "out" / "report.csv").open())}
     assert float(rows["fedavg"]["mean"]) > float(rows["crawl"]["mean"])  # a real step beats a crawl
     text = (tmp_path / "out" / "report.md").read_text()
-    header = (
-        "| rank | algorithm | test_acc (%) | bottom decile | training s per round | MB per round |"
-    )
+    header = "| rank | algorithm | test_acc (%) | bottom decile (%) | training s per round | MB per round |"
     assert header in text
     ranked = [
         line.split(" | ")[1] for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))

@@ -70,7 +70,8 @@ def ranking_table(rows: list[RowResult]) -> tuple[list[str], list[list[str]]]:
     label = f"{metric}{unit(metric)}" if metric else "metric"
     scored = [(row, row.stat("final")[0]) for row in rows]
     scored.sort(key=lambda item: -np.inf if np.isnan(item[1]) else item[1], reverse=True)
-    header = ["rank", "algorithm", label, "bottom decile", "training s per round", "MB per round"]
+    decile = "bottom decile" + (unit(metric) if metric else "")
+    header = ["rank", "algorithm", label, decile, "training s per round", "MB per round"]
     cells = []
     for rank, (row, _) in enumerate(scored, start=1):
         rounds = max((s.last_round for s in row.seeds), default=0)
