@@ -60,9 +60,9 @@ class PFLEGO(Algorithm):
     shared: ClassVar[tuple[str, ...]] = ("body",)
     personal: ClassVar[tuple[str, ...]] = ("head",)
     label_space: ClassVar[str] = "local"
-    # beta and rho (SGD server): the least worst-case regret over five federations in the grid of
-    # benchmarks/defaults_study.py (docs/defaults.md); the main experiment's beta = rho = 1 was
-    # 35% below the best with 20 clients of tau = 10, and diverged on Fashion-MNIST (issue 25)
+    # beta and rho (SGD server): the least worst-case regret over six federations in the grid of
+    # benchmarks/defaults_study.py (docs/defaults.md); the main experiment's beta = rho = 1
+    # diverged on MNIST Dirichlet(0.3) with batch 10, and on Fashion-MNIST (issue 25)
     default_client_lr: ClassVar[float] = 0.3
     default_server_lr: ClassVar[float] = 0.1
 
