@@ -381,20 +381,18 @@ def test_console_and_metrics_use_the_same_names_and_step_sizes(capsys, tmp_path)
     assert f"train_loss {last['train_loss']:.4f}" in first
     assert "accuracies as fractions" in stdout
 
-    # run and compare train with the same step sizes: the algorithm's defaults, tuned in the
-    # main experiment; each run's config.yaml records them
-    main = preset()
-    for name, row in main["algorithms"].items():
+    # run and compare train with the same step sizes: the algorithm's defaults (chosen across
+    # settings, docs/defaults.md); each run's config.yaml records them
+    for name in preset()["algorithms"]:
         defaults = ALGORITHMS[name]
-        assert row.get("client_lr", defaults.default_client_lr) == defaults.default_client_lr
-        assert row.get("server_lr", defaults.default_server_lr) == defaults.default_server_lr
         config = build_experiment(load_config({**TINY, "client_lr": None}, algorithm=name)).config
         assert (config.client_lr, config.server_lr) == (
             defaults.default_client_lr,
             defaults.default_server_lr,
         )
     written = yaml.safe_load((out / "config.yaml").read_text())
-    assert written["client_lr"] == 0.1 and written["server_lr"] == 1.0
+    assert written["client_lr"] == 0.1  # given
+    assert written["server_lr"] == ALGORITHMS["pflego"].default_server_lr  # the default's
 
 
 # --- 9. --help, --version, no abbreviations, --threads ---------------------------------------
@@ -533,3 +531,18 @@ def test_flower_local_small_sizes_and_ctrl_c(capsys, tmp_path, monkeypatch):
     line = one_line(err)
     assert f"pflego flower local --resume {out}" in line and "every Flower process" in line
     assert list((tmp_path / "tmp").iterdir()) == []  # the temporary folder is gone
+
+
+def test_run_help_shows_the_default_step_sizes(capsys):
+    from pflego.cli.flags import step_size_default
+
+    code, out, _ = run_cli(capsys, "run", "--help")
+    assert code == 0
+    shown = " ".join(out.split())  # argparse wraps the help's lines
+    pflego = ALGORITHMS["pflego"]
+    for key, value in (
+        ("client_lr", pflego.default_client_lr),
+        ("server_lr", pflego.default_server_lr),
+    ):
+        assert f"pflego {value:g}" in step_size_default(key)
+        assert step_size_default(key) in shown

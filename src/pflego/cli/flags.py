@@ -75,8 +75,6 @@ UNSET = {
     "local_epochs": "unset: --inner-steps steps",
     "batch_size": "unset: the whole local set every step",
     "log": "none: metrics.jsonl only",
-    "client_lr": "the algorithm's, see `pflego list`",
-    "server_lr": "the algorithm's, see `pflego list`",
 }
 
 SEEDS_METAVAR = "K|S1,S2,..."
@@ -225,6 +223,23 @@ def add_threads_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def step_size_default(key: str) -> str:
+    """How ``--help`` shows the default of ``client_lr`` or ``server_lr``: the algorithms' own
+    defaults (those that differ from the library's), as ``pflego list`` prints them."""
+    from pflego.algorithms import ALGORITHMS
+    from pflego.algorithms.base import Algorithm
+
+    attribute = f"default_{key}"
+    library = getattr(Algorithm, attribute)
+    own = {
+        name: getattr(cls, attribute)
+        for name, cls in sorted(ALGORITHMS.items())
+        if getattr(cls, attribute) != library
+    }
+    listed = ", ".join(f"{name} {value:g}" for name, value in own.items())
+    return f"the algorithm's: {listed}; others {library:g}; see `pflego list`"
+
+
 def add_run_setting(
     parser: argparse.ArgumentParser, key: str, allowed: list[str] | None = None
 ) -> None:
@@ -236,7 +251,10 @@ def add_run_setting(
     if allowed:
         text += f"; one of: {' | '.join(allowed)}"
     default = FIELDS[key].default
-    shown = UNSET.get(key, default) if default is None else default
+    if key in ("client_lr", "server_lr"):
+        shown = step_size_default(key)
+    else:
+        shown = UNSET.get(key, default) if default is None else default
     parser.add_argument(flag_of(key), dest=key, default=None, help=f"{text} (default: {shown})")
 
 

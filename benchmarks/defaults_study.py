@@ -1,0 +1,324 @@
+"""Default step sizes that never diverge and are never far from the best, chosen across settings.
+
+For every algorithm and every setting (a small but varied federation), a ``pflego tune`` grid of
+step sizes runs on validation data (test data is never read); each cell (algorithm × setting)
+is one tuning directory, so a rerun skips the points already finished. Then, per algorithm, the
+grid point whose worst relative regret over the settings is smallest is chosen: a point's regret
+in a setting is ``(best - value) / best`` with ``best`` the setting's best grid point and
+``value`` its mean validation accuracy of the last rounds; a diverged point's regret is 1.
+
+Usage::
+
+    PYTHONPATH=src python benchmarks/defaults_study.py --data-dir /work/shared/data \\
+        [--algorithms pflego,fedavg] [--settings mnist5k-k2,synthetic] [--rounds 20] \\
+        [--runs runs/defaults] [--results results/defaults]
+
+Writes ``<results>/study.json`` (every point's validation accuracy and final training loss),
+``<results>/report.md`` and each cell's ``tune.md`` / ``chosen.yaml`` in ``<results>/<cell>/``;
+the grids' run directories stay under ``--runs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pflego.config import load_config, to_dict
+from pflego.experiments import measures as M
+from pflego.experiments.presets import ALL, point_label
+from pflego.experiments.tune import Tuning, parse_grid, run_tuning, score_points
+from pflego.history import History
+
+#: Settings every tuning run shares: 20 rounds, evaluations at rounds 5..20, the score the mean
+#: of the evaluations at rounds 15 and 20 on 10% of each client's training samples.
+COMMON = {
+    "rounds": 20,
+    "eval_every": 5,
+    "average_last": 10,
+    "val_fraction": 0.1,
+    "seed": 0,
+    "checkpoint_every": 1000,
+}
+
+#: The federations, cheapest first. ``data`` marks those that read --data-dir.
+SETTINGS: dict[str, dict[str, Any]] = {
+    # the main experiment: 5,000 MNIST images, 50 clients of K = 2 classes, tau = 50 full batches
+    "mnist5k-k2": {
+        "dataset": "mnist5k",
+        "partition": "classes",
+        "classes_per_client": 2,
+        "clients": 50,
+        "participation": 0.2,
+        "inner_steps": 50,
+    },
+    # where the main experiment's PFLEGO beta = rho = 1 diverged (docs/experiments.md, "Why a grid,
+    # not Optuna"): 20 clients of K = 2 classes, 4 a round, tau = 10
+    "mnist5k-20": {
+        "dataset": "mnist5k",
+        "partition": "classes",
+        "classes_per_client": 2,
+        "clients": 20,
+        "participation": 0.2,
+        "inner_steps": 10,
+    },
+    # pFedMe's synthetic set with its linear model: 20 steps of batch 20, 10% participation
+    "synthetic": {
+        "dataset": "synthetic",
+        "model": "linear",
+        "clients": 100,
+        "participation": 0.1,
+        "inner_steps": 20,
+        "batch_size": 20,
+    },
+    # FedEM's synthetic mixture (300 natural clients, linear): one epoch of batch 128
+    "fedem-synthetic": {
+        "dataset": "fedem-synthetic",
+        "partition": "natural",
+        "model": "linear",
+        "clients": 300,
+        "participation": 0.1,
+        "local_epochs": 1.0,
+        "batch_size": 128,
+    },
+    # full MNIST, Dirichlet(0.3) over 100 clients, one epoch of batch 10 (the MLP)
+    "mnist-dir0.3": {
+        "dataset": "mnist",
+        "data": True,
+        "partition": "dirichlet",
+        "alpha": 0.3,
+        "clients": 100,
+        "participation": 0.2,
+        "local_epochs": 1.0,
+        "batch_size": 10,
+    },
+    # full MNIST, 100 clients of K = 2 classes, tau = 50 full batches: the issue's fmnist case
+    # (10 rounds: its rounds cost ten times the others'; the issue's run diverged by round 10)
+    "mnist-k2-100": {
+        "dataset": "mnist",
+        "rounds": 10,
+        "data": True,
+        "partition": "classes",
+        "classes_per_client": 2,
+        "clients": 100,
+        "participation": 0.2,
+        "inner_steps": 50,
+    },
+}
+
+#: Client step sizes on a log grid; 0.05 is the library's default of methods without their own.
+CLIENT_LR = "client_lr=0.01,0.03,0.1,0.3,1.0"
+GRIDS: dict[str, list[str]] = {
+    "pflego": [
+        "client_lr=0.03,0.1,0.3,1.0",
+        "server_optimizer+server_lr=sgd/0.1,sgd/1.0,adam/0.001,adam/0.003",
+    ],
+    "fedavg": [CLIENT_LR],
+    "fedper": [CLIENT_LR],
+    "fedrep": ["client_lr=0.01,0.03,0.05,0.1,0.3,1.0"],
+    "fedprox": ["client_lr=0.01,0.03,0.05,0.1,0.3,1.0"],
+    "ditto": ["client_lr=0.01,0.03,0.05,0.1,0.3,1.0"],
+    "apfl": ["client_lr=0.01,0.03,0.05,0.1,0.3,1.0"],
+}
+
+
+#: The defaults before this study (every grid holds them), with the SGD server.
+OLD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "pflego": {"client_lr": 1.0, "server_optimizer": "sgd", "server_lr": 1.0},
+    "fedavg": {"client_lr": 0.3},
+    "fedper": {"client_lr": 0.3},
+    "fedrep": {"client_lr": 0.05},
+    "fedprox": {"client_lr": 0.05},
+    "ditto": {"client_lr": 0.05},
+    "apfl": {"client_lr": 0.05},
+}
+
+
+def run_cell(algorithm: str, setting: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Tune one algorithm in one setting (resuming); every point's numbers and the CPU seconds."""
+    values = {**COMMON, "rounds": args.rounds, "algorithm": algorithm}
+    values |= {k: v for k, v in SETTINGS[setting].items() if k != "data"}
+    if SETTINGS[setting].get("data"):
+        values["data_dir"] = args.data_dir
+    base = to_dict(load_config(values))
+    tuning = Tuning(
+        base,
+        parse_grid(GRIDS[algorithm]),
+        [0],
+        args.runs / f"{algorithm}-{setting}",
+        title=f"Tuning {algorithm} in the setting {setting} (benchmarks/defaults_study.py)",
+    )
+    start = time.process_time()
+    run_tuning(tuning, progress=False)
+    spent = tuning.out / "cpu_seconds"  # accumulated over the sittings that trained this cell
+    seconds = float(spent.read_text()) if spent.is_file() else 0.0
+    if not args.report_only:
+        seconds += time.process_time() - start
+        spent.write_text(f"{seconds:.1f}\n")
+    cell_results = args.results / f"{algorithm}-{setting}"
+    cell_results.mkdir(parents=True, exist_ok=True)
+    for name in ("tune.md", "chosen.yaml"):
+        shutil.copy(tuning.out / name, cell_results / name)
+    plan = tuning.plan()
+    points = {}
+    for score in score_points(tuning, plan):
+        (run,) = plan.runs_of(ALL, score.name)
+        history = History.load(tuning.runs_root / run.dir)
+        loss = M.final_value(history, "train_loss", base["average_last"])
+        points[point_label(score.values)] = {
+            "val_acc": None if math.isnan(score.score) else score.score,
+            "train_loss": None if math.isnan(loss) else loss,
+            "status": "; ".join(s for s in score.status if s) or "ok",
+        }
+    return {"points": points, "cpu_seconds": round(seconds, 1)}
+
+
+def regrets(points: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Each point's relative regret against the setting's best point (1 for a diverged point)."""
+    finite = [p["val_acc"] for p in points.values() if p["val_acc"] is not None]
+    best = max(finite) if finite else math.nan
+    return {
+        label: 1.0 if p["val_acc"] is None else (best - p["val_acc"]) / best
+        for label, p in points.items()
+    }
+
+
+def choose(table: dict[str, dict[str, float]], labels: list[str]) -> str:
+    """Among ``labels``, the point with the smallest worst regret over the settings (then the
+    smallest mean regret, then the first)."""
+
+    def key(label: str) -> tuple[float, float]:
+        values = [table[s][label] for s in table]
+        return max(values), sum(values) / len(values)
+
+    return min(labels, key=key)
+
+
+def pct(value: float | None) -> str:
+    return "diverged" if value is None else f"{100 * value:.2f}"
+
+
+def render(study: dict[str, Any]) -> str:
+    """``report.md``: per algorithm the grid, each setting's best, the choice and the old default."""
+    lines = [
+        "# Default step sizes chosen across settings",
+        "",
+        "Made by `benchmarks/defaults_study.py`. Each cell is a `pflego tune` grid on validation "
+        f"data ({study['rounds']} rounds, seed 0, 10% of each client's training samples held out;"
+        " the score is the mean validation accuracy over the last 10 rounds, each of which is "
+        "evaluated: in the 10-round setting mnist-k2-100, every round); test data is never read. "
+        "Per algorithm, the chosen point minimizes the "
+        "worst relative regret over the settings, `(best - value) / best` with `best` the "
+        "setting's best grid point; a diverged point's regret is 1 (100%).",
+        "",
+        "Settings (all 20% participation unless stated):",
+        "",
+    ]
+    for name, values in study["settings"].items():
+        lines.append(f"- `{name}`: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    lines.append("")
+    for algorithm, entry in study["algorithms"].items():
+        settings = list(entry["cells"])
+        lines += [f"## {algorithm}", "", "Grid: " + "; ".join(f"`{g}`" for g in entry["grid"]), ""]
+        picks = {name: entry[name] for name in entry["worst_regret"]}
+        lines += [
+            f"- {name}: **{label}**, worst regret {100 * entry['worst_regret'][name]:.2f}%"
+            for name, label in picks.items()
+        ]
+        lines += [
+            "",
+            "| setting | CPU s | best point | best val acc | "
+            + " | ".join(f"{name}: val acc | regret" for name in picks)
+            + " |",
+            "|---|---:|---|---:|" + "---:|---:|" * len(picks),
+        ]
+        for s in settings:
+            cell, reg = entry["cells"][s], entry["regret"][s]
+            best = min(reg, key=reg.get)
+            values = " | ".join(
+                f"{pct(cell['points'][label]['val_acc'])} | {100 * reg[label]:.2f}%"
+                for label in picks.values()
+            )
+            lines.append(
+                f"| {s} | {cell['cpu_seconds']} | {best} | "
+                f"{pct(cell['points'][best]['val_acc'])} | {values} |"
+            )
+        lines += ["", "Every point (validation accuracy %, per setting):", ""]
+        lines += ["| point | " + " | ".join(settings) + " | worst regret |"]
+        lines += ["|---|" + "---:|" * (len(settings) + 1)]
+        for label in entry["regret"][settings[0]]:
+            worst = max(entry["regret"][s][label] for s in settings)
+            accs = " | ".join(pct(entry["cells"][s]["points"][label]["val_acc"]) for s in settings)
+            lines.append(f"| {label} | {accs} | {100 * worst:.2f}% |")
+        lines.append("")
+    if study.get("findings"):
+        lines += ["## Findings", "", *(f"- {x}" for x in study["findings"]), ""]
+    if study.get("left_out"):
+        lines += ["## Left out", "", *(f"- {x}" for x in study["left_out"]), ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--algorithms", default=",".join(GRIDS))
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--rounds", type=int, default=COMMON["rounds"])
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--runs", type=Path, default=Path("runs/defaults"))
+    parser.add_argument("--results", type=Path, default=Path("results/defaults"))
+    parser.add_argument("--left-out", action="append", default=[], help="a line for the report")
+    parser.add_argument("--finding", action="append", default=[], help="a line for the report")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing new: report the cells whose grids a sitting has run",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    settings = args.settings.split(",")
+    study: dict[str, Any] = {
+        "rounds": args.rounds,
+        "settings": {s: {k: v for k, v in SETTINGS[s].items() if k != "data"} for s in settings},
+        "algorithms": {},
+        "left_out": args.left_out,
+        "findings": args.finding,
+    }
+    for algorithm in args.algorithms.split(","):
+        cells = {}
+        for setting in settings:
+            if args.report_only and not (args.runs / f"{algorithm}-{setting}/tune.md").is_file():
+                continue
+            cells[setting] = run_cell(algorithm, setting, args)
+            print(f"{algorithm} {setting}: {cells[setting]['cpu_seconds']} CPU s", flush=True)
+        if not cells:
+            continue
+        table = {setting: regrets(cell["points"]) for setting, cell in cells.items()}
+        labels = list(next(iter(table.values())))
+        picks = {"chosen": choose(table, labels)}
+        sgd = [label for label in labels if "server_optimizer=sgd" in label]
+        if sgd:  # the library's default server optimizer is SGD for every method
+            picks["chosen among SGD servers"] = choose(table, sgd)
+        picks["old default"] = point_label(OLD_DEFAULTS[algorithm])
+        study["algorithms"][algorithm] = {
+            "grid": GRIDS[algorithm],
+            **{name: label for name, label in picks.items()},
+            "worst_regret": {
+                name: max(table[s][label] for s in table) for name, label in picks.items()
+            },
+            "regret": table,
+            "cells": cells,
+        }
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "study.json").write_text(json.dumps(study, indent=1) + "\n")
+    (args.results / "report.md").write_text(render(study))
+    print(f"wrote {args.results / 'report.md'}")
+
+
+if __name__ == "__main__":
+    main()
