@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from pflego.bench import add_commands, run_bench, scale_row
 from pflego.bench.against import targets
 
 
+@pytest.mark.slow  # ~14 s: the default suite keeps the cheaper bench tests below
 def test_bench_writes_markdown_tables(tmp_path) -> None:
     out = tmp_path / "bench.md"
     report = run_bench(

@@ -42,9 +42,14 @@ def requirement_name(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+#: Distributions whose module is not named after them, for when they are not installed (the
+#: slow tier's extras are absent from the default suite's environment).
+MODULE_NAMES = {"mlflow-skinny": {"mlflow"}}
+
+
 def modules_of(distribution: str) -> set[str]:
     """The top-level modules a distribution provides (its name, and what it installed)."""
-    installed = {
+    installed = MODULE_NAMES.get(distribution, set()) | {
         module
         for module, owners in importlib.metadata.packages_distributions().items()
         if distribution in {requirement_name(owner) for owner in owners}

@@ -161,7 +161,18 @@ def golden_cache(quick_mnist):
     return cache
 
 
-@pytest.mark.parametrize("name", [p.name for p in list_presets()])
+#: Golden presets whose quick form takes half a minute: checked in the slow tier, which keeps the
+#: default suite under its 10 minutes on 2 cores.
+SLOW_GOLDEN = {"pfedme-table1"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(p.name, marks=[pytest.mark.slow] if p.name in SLOW_GOLDEN else [])
+        for p in list_presets()
+    ],
+)
 def test_golden_offline(name, golden_cache, tmp_path, monkeypatch):
     missing = golden.unregistered(load_preset(name))
     if missing:

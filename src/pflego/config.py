@@ -249,6 +249,7 @@ def tracker_names(log: str | None) -> list[str]:
                 f"log={log!r}: {name!r} is not a tracker; choose from {', '.join(TRACKERS)} "
                 "(comma-separated)"
             )
+    for name in names:
         if importlib.util.find_spec(TRACKERS[name]) is None:
             raise ConfigError(
                 f"log={name} needs the {TRACKERS[name]} package: pip install 'pflego[{name}]'"
