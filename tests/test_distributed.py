@@ -149,6 +149,7 @@ def two(tmp_path_factory) -> tuple[Path, dict[str, Simulation]]:
         return root, references.result()
 
 
+@pytest.mark.slow  # two spawned processes over the registry: ~30 s, kept out of the default suite
 @pytest.mark.parametrize("name", NAMES)
 def test_two_processes_give_the_numbers_of_one(name, two):
     root, one = two
@@ -158,6 +159,7 @@ def test_two_processes_give_the_numbers_of_one(name, two):
     assert not (root / name / "curves.png").exists()
 
 
+@pytest.mark.slow  # two spawned processes over the registry: ~30 s, kept out of the default suite
 @pytest.mark.parametrize("name", SPARSE_NAMES)
 def test_a_process_whose_share_of_the_cohort_is_empty_waits_for_the_other(name, two):
     root, one = two
@@ -167,6 +169,7 @@ def test_a_process_whose_share_of_the_cohort_is_empty_waits_for_the_other(name, 
     assert_same_run(sparse, root / f"sparse-{name}")
 
 
+@pytest.mark.slow  # two spawned processes over the registry: ~30 s, kept out of the default suite
 @pytest.mark.parametrize("name", RESUMED)
 def test_a_checkpoint_resumes_under_another_process_count(name, two):
     root, one = two

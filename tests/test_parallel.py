@@ -42,6 +42,7 @@ def final_params(run_dir):
     return torch.load(run_dir / "checkpoint.pt", weights_only=False)["server"]["params"]
 
 
+@pytest.mark.slow  # two spawned workers: ~55 s, kept out of the default suite
 def test_two_workers_write_the_serial_plans_numbers(tmp_path):
     serial = tmp_path / "serial"
     parallel = tmp_path / "parallel"
