@@ -430,6 +430,14 @@ def test_help_shows_every_default_and_choice(capsys):
     assert code == 0 and out.startswith("pflego ")
 
 
+def test_every_command_that_reads_dataset_files_takes_no_verify():
+    """The checksum error's hint (--no-verify) works wherever --data-dir does."""
+    readers = [p for p in leaf_parsers() if "--data-dir" in p._option_string_actions]
+    assert {p.prog for p in readers} >= {"pflego run", "pflego reproduce", "pflego bench"}
+    for parser in readers:
+        assert "--no-verify" in parser._option_string_actions, parser.prog
+
+
 def test_abbreviations_are_refused(capsys, tmp_path):
     code, _, err = run_cli(capsys, "run", *TINY_FLAGS, "--round", "2", "--out", tmp_path / "r")
     assert code == 2 and "unrecognized arguments: --round" in one_line(err)

@@ -140,6 +140,7 @@ def add_reproduce(sub: Any) -> None:
     add_flag(p, "--set", help="override a setting of every run, e.g. --set device=cuda")
     add_run_setting(p, "log")
     add_flag(p, "--quiet", help="no progress bars")
+    add_flags(p, "--no-verify")
     p.set_defaults(handler=cmd_reproduce)
 
 
