@@ -4,12 +4,13 @@ A plain SGD step takes the gradient where it updates. APFL's step takes two grad
 minibatch, at the global copy w (updating w) and at the mixture ``alpha v + (1 - alpha) w``
 (updating v); Per-FedAvg's meta-step takes a gradient at w, steps to w', and updates w with the
 gradient at w'. :func:`fused_program` runs any sequence of such *substeps* (:class:`Substep`) on
-several points held as flat vectors, with the forward and backward passes of :mod:`pflego.fused`
+several points held as flat vectors, with the forward and backward passes of :mod:`pflego.fused_passes`
 (the update folded into the weight-gradient GEMM, no autograd, no graph), all in one TorchScript
 call, so a client's steps cost no Python per step.
 
-A substep first applies its ``mixes`` (``point[dst] <- a point[dst] + b point[src]``: copies and
-mixtures of points), then takes the loss's gradient ``g`` at point ``at`` on minibatch ``row`` of
+A substep first applies its ``mixes`` (``point[dst] <- point[start] + weight (point[end] -
+point[start])``, one pass over the parameters: mixtures of points, and copies with weight 0),
+then takes the loss's gradient ``g`` at point ``at`` on minibatch ``row`` of
 the client's schedule and updates point ``into`` by ``into <- shrink into - lr g``. The loss must
 be a :class:`~pflego.loss.ModelLoss` without regularizers; anything else returns ``None``, and the
 caller runs autograd.
@@ -25,8 +26,6 @@ import torch
 from torch import Tensor
 
 from pflego.fused import (
-    _backward,
-    _forward,
     _keys,
     _plain,
     _settings,
@@ -35,12 +34,14 @@ from pflego.fused import (
     plain_plan,
     step_inputs,
 )
+from pflego.fused_passes import backward_pass, forward_pass
 from pflego.loss import ModelLoss
 from pflego.tree import Params
 from pflego.types import ClientData
 
-#: ``(dst, src, a, b)``: ``point[dst] <- a point[dst] + b point[src]`` (``a = 0``: a scaled copy).
-Mix = tuple[int, int, float, float]
+#: ``(dst, start, end, weight)``: ``point[dst] <- point[start] + weight (point[end] -
+#: point[start])`` (weight 0: a copy of ``point[start]``).
+Mix = tuple[int, int, int, float]
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def fused_program(
             list(flats),
             [[m[0] for m in s.mixes] for s in substeps],
             [[m[1] for m in s.mixes] for s in substeps],
-            [[float(m[2]) for m in s.mixes] for s in substeps],
+            [[m[2] for m in s.mixes] for s in substeps],
             [[float(m[3]) for m in s.mixes] for s in substeps],
             [s.at for s in substeps],
             [s.into for s in substeps],
@@ -162,9 +163,9 @@ def _program(
     flags: list[list[bool]],
     flats: list[Tensor],
     mix_dst: list[list[int]],
-    mix_src: list[list[int]],
-    mix_a: list[list[float]],
-    mix_b: list[list[float]],
+    mix_start: list[list[int]],
+    mix_end: list[list[int]],
+    mix_weight: list[list[float]],
     at: list[int],
     into: list[int],
     lrs: list[float],
@@ -183,28 +184,24 @@ def _program(
 ) -> list[Tensor]:
     """The substeps (TorchScript-compatible). Point ``p``'s layers are ``weights[p]`` /
     ``biases[p]``, its trained tensors views of ``flats[p]``; substep ``j`` mixes the points,
-    then runs :func:`pflego.fused._forward` at point ``at[j]`` on minibatch ``feed[j]`` and
-    :func:`pflego.fused._backward` into point ``into[j]``. Returns each substep's
-    log-probabilities ``[K, B]``."""
+    then runs :func:`~pflego.fused_passes.forward_pass` at point ``at[j]`` on minibatch
+    ``feed[j]`` and :func:`~pflego.fused_passes.backward_pass` into point ``into[j]``. Returns
+    each substep's log-probabilities ``[K, B]``."""
     log_probs: list[Tensor] = []
     for j in range(len(at)):
         for m in range(len(mix_dst[j])):
-            dst, src, a, b = mix_dst[j][m], mix_src[j][m], mix_a[j][m], mix_b[j][m]
-            if a == 0.0 and b == 1.0:
-                flats[dst].copy_(flats[src])
-            elif a == 0.0:
-                torch.mul(flats[src], b, out=flats[dst])
+            dst, start, weight = flats[mix_dst[j][m]], flats[mix_start[j][m]], mix_weight[j][m]
+            if weight == 0.0:
+                dst.copy_(start)
             else:
-                if a != 1.0:
-                    flats[dst].mul_(a)
-                flats[dst].add_(flats[src], alpha=b)
+                torch.lerp(start, flats[mix_end[j][m]], weight, out=dst)
         r, p, q = feed[j], at[j], into[j]
-        a_, log_p, grad_t, saved, indices, shapes = _forward(
+        a_, log_p, grad_t, saved, indices, shapes = forward_pass(
             kinds, settings, weights[p], biases[p], flags, inputs[r], negative_target[r],
             weight_rows[r], label_mask, masked, lowest_logit,
         )  # fmt: skip
         log_probs.append(log_p)
-        _backward(
+        backward_pass(
             kinds, settings, weights[p], biases[p], weights[q], biases[q], flags, saved, indices,
             shapes, a_, grad_t, inputs_t[r] if first >= 0 else a_, first, ones, lrs[j],
             shrinks[j], lowest,

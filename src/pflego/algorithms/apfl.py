@@ -243,7 +243,7 @@ class APFL(Algorithm):
         substeps = []
         for k, row in enumerate(rows):  # points: 0 is w, 1 is v, 2 is v-bar
             a = float(alpha) if k == 0 else later
-            mix = ((2, 1, 0.0, a), (2, 0, 1.0, 1 - a))  # v-bar <- a v + (1 - a) w
+            mix = ((2, 0, 1, a),)  # v-bar <- w + a (v - w)
             substeps += [Substep(0, 0, lr, shrink, row, mix), Substep(2, 1, lr * a, shrink, row)]
         loss = ModelLoss(self.model, data.label_mask)
         fused = fused_program(loss, [w, v, v], data, substeps)

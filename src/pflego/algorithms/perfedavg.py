@@ -172,7 +172,7 @@ class PerFedAvg(Algorithm):
                     Substep(0, 0, beta, 1.0, second),
                 ]
             else:  # point 0 is w, point 1 is w'
-                copy = ((1, 0, 0.0, 1.0),)
+                copy = ((1, 0, 0, 0.0),)  # w' <- w
                 substeps += [
                     Substep(1, 1, self.alpha, 1.0, first, copy),
                     Substep(1, 0, beta, 1.0, second),
