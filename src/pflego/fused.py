@@ -23,7 +23,6 @@ transform) returns ``None`` from :func:`fused_sgd_steps`, and the caller uses au
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -31,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from pflego.fused_passes import backward_pass, forward_pass
+from pflego.fused_passes import backward_pass, compiled, forward_pass
 from pflego.loss import ModelLoss
 from pflego.models import Layer
 from pflego.optim import ANCHOR, SGD, STEPS, Optimizer, OptState, Proximal
@@ -224,7 +223,7 @@ def _run(
     # the real steps after which it moves: every ``every``-th counted from the state's count
     moves = [(done + j + 1) % every == 0 for j in range(len(real))] if every > 0 else []
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
-        log_probs, distances, dots = _compiled()(
+        log_probs, distances, dots = compiled(_steps)(
             [layer.kind for layer in plan],
             [_settings(layer) for layer in plan],
             [full.get(layer.weight, empty) for layer in plan],
@@ -357,22 +356,6 @@ def _settings(layer: Layer) -> list[int]:
     if layer.kind == "flatten":
         return [m.start_dim, m.end_dim]
     return []
-
-
-_scripted: list = []
-
-
-def _compiled():
-    """The step loop compiled with TorchScript (its interpreter releases the GIL and has little
-    per-operation overhead), or the same Python function when TorchScript is unavailable."""
-    if not _scripted:
-        try:
-            with warnings.catch_warnings():  # deprecated in favour of torch.compile, whose
-                warnings.simplefilter("ignore", DeprecationWarning)  # calls cost far more here
-                _scripted.append(torch.jit.script(_steps))
-        except Exception:  # noqa: BLE001  (any failure to compile falls back to eager Python)
-            _scripted.append(_steps)
-    return _scripted[0]
 
 
 def _steps(

@@ -18,7 +18,6 @@ caller runs autograd.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ from pflego.fused import (
     plain_plan,
     step_inputs,
 )
-from pflego.fused_passes import backward_pass, forward_pass
+from pflego.fused_passes import backward_pass, compiled, forward_pass
 from pflego.loss import ModelLoss
 from pflego.tree import Params
 from pflego.types import ClientData
@@ -96,7 +95,7 @@ def fused_program(
     label_mask = loss.label_mask > 0
     trained = set(points[0])
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
-        log_probs = _compiled()(
+        log_probs = compiled(_program)(
             [layer.kind for layer in plan],
             [_settings(layer) for layer in plan],
             [[f.get(layer.weight, empty) for layer in plan] for f in full],
@@ -137,22 +136,6 @@ def real_rows(data: ClientData) -> list[int] | None:
     if not _plain([data.batches, data.batch_mask]):
         return None
     return torch.nonzero(data.batch_mask.sum(-1) > 0).flatten().tolist()
-
-
-_scripted: list = []
-
-
-def _compiled():
-    """:func:`_program` compiled with TorchScript (as :func:`pflego.fused._compiled`), or the
-    same Python function when TorchScript is unavailable."""
-    if not _scripted:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                _scripted.append(torch.jit.script(_program))
-        except Exception:  # noqa: BLE001  (any failure to compile falls back to eager Python)
-            _scripted.append(_program)
-    return _scripted[0]
 
 
 def _program(

@@ -4,13 +4,32 @@
 backward pass reads; :func:`backward_pass` takes the loss's gradient back through the layers and
 applies each layer's SGD update as soon as the gradient below it is taken, folded into the
 weight-gradient GEMM. :mod:`pflego.fused` (plain SGD steps) and :mod:`pflego.fused_bilevel`
-(gradients taken at one point that update another) compile loops around them.
+(gradients taken at one point that update another) write loops around them, which
+:func:`compiled` compiles.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
+
+_scripted: dict[Callable, Callable] = {}
+
+
+def compiled(loop: Callable) -> Callable:
+    """``loop`` compiled with TorchScript, once (its interpreter releases the GIL and has little
+    per-operation overhead), or ``loop`` itself when TorchScript is unavailable."""
+    if loop not in _scripted:
+        try:
+            with warnings.catch_warnings():  # deprecated in favour of torch.compile, whose
+                warnings.simplefilter("ignore", DeprecationWarning)  # calls cost far more here
+                _scripted[loop] = torch.jit.script(loop)
+        except Exception:  # noqa: BLE001  (any failure to compile falls back to eager Python)
+            _scripted[loop] = loop
+    return _scripted[loop]
 
 
 def forward_pass(
