@@ -42,6 +42,10 @@ predicts with w.
 
 A client that never trained runs these local steps once from the global model (``v_i = w``) on its
 training split (the run's schedule) and predicts with the resulting mixture.
+
+Speed: with plain SGD and alpha_i fixed through each step (not ``adaptive_alpha`` with
+``alpha_update="step"``), a client's steps run as one fused program (:mod:`pflego.fused_bilevel`)
+on the ``fused`` backend, which ``auto`` then picks on CPU; otherwise autograd, step by step.
 """
 
 from __future__ import annotations
