@@ -10,6 +10,11 @@ FedAvg averages whole models by N_i; FedPer averages the body and keeps each cli
 Ditto trains the global copy as FedAvg and a personal model on ``F_k(v) + lam/2 ||v - w^t||^2``;
 pFedMe takes ``K`` steps on ``f_i(theta) + lam/2 ||theta - w_i||^2`` per minibatch and moves
 ``w_i <- w_i - lr * lam * (w_i - theta)``, and the server mixes ``(1 - beta) w + beta mean w_i``.
+APFL trains, per minibatch, the global copy w on its loss and the local model v on the loss of
+the mixture ``alpha v + (1 - alpha) w`` (one backward pass through both), and predicts with the
+mixture; Per-FedAvg (first order) takes, per pair of minibatches, a step of ``alpha`` from a saved
+copy, the gradient there, and a step of ``lr`` with it from the saved copy, and personalizes by one
+step of ``alpha`` on a training minibatch before evaluation.
 Heads are C-way (global labels), as in those libraries.
 
 Usage (from a source checkout): ``pflego bench --against conventional``; or
@@ -30,12 +35,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-ALGORITHMS = ("fedavg", "fedper", "ditto", "pfedme")
+ALGORITHMS = ("fedavg", "fedper", "ditto", "pfedme", "apfl", "perfedavg")
 
 #: Defaults of the options the algorithms take (those of pflego's implementations).
 DEFAULTS = {
     "ditto": {"lam": 0.1},
     "pfedme": {"lam": 15.0, "K": 5, "personal_lr": 0.09, "beta": 1.0},
+    "apfl": {"alpha": 0.5},
+    "perfedavg": {"alpha": 0.005},
 }
 
 #: ``sampler_for(round, client)`` -> the sample order of each local epoch (tests only).
@@ -75,7 +82,7 @@ class ConventionalFL:
     """A conventional implementation of one algorithm over fixed clients.
 
     Attributes:
-        algorithm: ``fedavg``, ``fedper``, ``ditto`` or ``pfedme``.
+        algorithm: One of :data:`ALGORITHMS`.
         model: The global model (a ``body`` and a ``head``), already initialized.
         clients: Every client's data.
         batch_size: Minibatch size of training and evaluation loaders.
@@ -137,7 +144,7 @@ class ConventionalFL:
         """One round: the cohort trains one client after another, then the server aggregates."""
         sizes = np.array([len(self.clients[i].y_train) for i in cohort], np.float64)
         weights = sizes / sizes.sum()
-        if self.algorithm == "pfedme":
+        if self.algorithm in ("pfedme", "perfedavg"):
             weights = np.full(len(cohort), 1.0 / len(cohort))
         uploads = []
         for i in cohort:
@@ -191,6 +198,42 @@ class ConventionalFL:
         self.personal[i] = theta
         return local.state_dict()
 
+    def _apfl_client(self, t: int, i: int) -> dict[str, Tensor]:
+        alpha = self.options["alpha"]
+        local = copy.deepcopy(self.model)  # w_i
+        personal = self.personal[i] if i in self.personal else copy.deepcopy(self.model)  # v_i
+        optimizer = torch.optim.SGD([*local.parameters(), *personal.parameters()], lr=self.lr)
+        names = [k for k, _ in local.named_parameters()]
+        for epoch in range(self.epochs):
+            for x, y in self.loader(t, i, epoch):
+                optimizer.zero_grad()
+                mixed = {
+                    k: alpha * v + (1 - alpha) * w.detach()
+                    for k, v, w in zip(names, personal.parameters(), local.parameters())
+                }
+                mixed_out = torch.func.functional_call(local, mixed, (x,))
+                (self.loss(local(x), y) + self.loss(mixed_out, y)).backward()
+                optimizer.step()
+        self.personal[i] = personal
+        return local.state_dict()
+
+    def _perfedavg_client(self, t: int, i: int) -> dict[str, Tensor]:
+        alpha = self.options["alpha"]
+        local = copy.deepcopy(self.model)
+        optimizer = torch.optim.SGD(local.parameters(), lr=alpha)
+        batches = [b for epoch in range(2 * self.epochs) for b in self.loader(t, i, epoch)]
+        for (x, y), (x2, y2) in zip(batches[0::2], batches[1::2]):
+            saved = copy.deepcopy(list(local.parameters()))
+            optimizer.zero_grad()
+            self.loss(local(x), y).backward()
+            optimizer.step()  # w' = w - alpha grad f(w; D)
+            optimizer.zero_grad()
+            self.loss(local(x2), y2).backward()  # grad f(w'; D')
+            with torch.no_grad():
+                for p, w in zip(local.parameters(), saved):
+                    p.copy_(w - self.lr * p.grad)
+        return local.state_dict()
+
     # --- evaluation ---------------------------------------------------------------------------
 
     def client_model(self, i: int) -> nn.Module:
@@ -202,6 +245,21 @@ class ConventionalFL:
             return model
         if self.algorithm in ("ditto", "pfedme"):
             return self.personal.get(i, self.model)
+        if self.algorithm == "apfl" and i in self.personal:
+            alpha, model = self.options["alpha"], copy.deepcopy(self.model)
+            with torch.no_grad():
+                for w, v in zip(model.parameters(), self.personal[i].parameters()):
+                    w.mul_(1 - alpha).add_(v, alpha=alpha)
+            return model
+        if self.algorithm == "perfedavg":  # one step of alpha on a training minibatch
+            model = copy.deepcopy(self.model)
+            x, y = next(iter(self.loader(0, i, 0)))
+            with torch.enable_grad():
+                self.loss(model(x), y).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(self.options["alpha"] * p.grad)
+            return model
         return self.model
 
     @torch.no_grad()

@@ -23,13 +23,14 @@ transform) returns ``None`` from :func:`fused_sgd_steps`, and the caller uses au
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from pflego.fused_passes import backward_pass, compiled, forward_pass
 from pflego.loss import ModelLoss
 from pflego.models import Layer
 from pflego.optim import ANCHOR, SGD, STEPS, Optimizer, OptState, Proximal
@@ -84,25 +85,12 @@ def fused_sgd_steps(
         optimizer = prox.inner
     if type(optimizer) is not SGD:
         return None
-    plan = layer_plan(loss)
-    if plan is None:
-        return None
-    full = {**loss.fixed, **params}
-    names = {
-        name for layer in plan if layer.kind in ("linear", "conv") for name in _keys(layer, full)
-    }
+    plan = plain_plan(loss, params, data)
     regularizers = [t for t in (loss.anchor, loss.linear) if t is not None]
-    weights = {layer.weight for layer in plan if layer.kind in ("linear", "conv")}
     if (
-        set(full) != names
-        or not weights <= names
-        or not params
+        plan is None
         or any(not set(params) <= set(t) for t in regularizers)
-        or not _plain([*full.values(), data.x, data.batches, data.batch_mask])
         or not _plain([v for t in regularizers for v in t.values()])
-        or not _plain([] if loss.sample_weights is None else [loss.sample_weights])
-        or not _fits(plan, data.x.shape[1:])
-        or "head.weight" not in full
     ):
         return None
     moving = prox is not None and prox.every > 0
@@ -115,6 +103,31 @@ def fused_sgd_steps(
         opt_state = opt_state | {f"{ANCHOR}{k}": v for k, v in moved[0].items()}
         opt_state[STEPS] = opt_state[STEPS] + moved[1]
     return trained, opt_state, mean_loss, iterates
+
+
+def plain_plan(loss: ModelLoss, params: Params, data: ClientData) -> tuple[Layer, ...] | None:
+    """The layers fused steps run ``loss`` (its regularizers aside) on, when every parameter is
+    a plain layer's, untracked by autograd and outside ``torch.func`` transforms, and ``data``'s
+    inputs reach each layer in its shape; else ``None``."""
+    plan = layer_plan(loss)
+    if plan is None:
+        return None
+    full = {**loss.fixed, **params}
+    names = {
+        name for layer in plan if layer.kind in ("linear", "conv") for name in _keys(layer, full)
+    }
+    weights = {layer.weight for layer in plan if layer.kind in ("linear", "conv")}
+    if (
+        set(full) != names
+        or not weights <= names
+        or not params
+        or not _plain([*full.values(), data.x, data.batches, data.batch_mask])
+        or not _plain([] if loss.sample_weights is None else [loss.sample_weights])
+        or not _fits(plan, data.x.shape[1:])
+        or "head.weight" not in full
+    ):
+        return None
+    return plan
 
 
 def _moreau(loss: ModelLoss, optimizer: Optimizer) -> Proximal | None:
@@ -174,36 +187,20 @@ def _run(
             unmoved,
         )
     batches, batch_mask = batches[real], batch_mask[real]
-    weights = batch_mask / batch_mask.sum(1, keepdim=True).clamp(min=1)  # [S, B]: mask / n_s
-    if loss.sample_weights is not None:  # [S, B]: w_idx * mask / n_s
-        weights = weights * loss.sample_weights[batches]
-    first = _first_linear(plan)
-    if batches.shape[-1] == data.x.shape[0]:  # full batch: every step is the whole local set
-        inputs = [data.x] * len(batches)
-        inputs_t = [data.x.flatten(1).t().contiguous()] * len(batches) if first >= 0 else []
-        labels = data.y.expand(len(batches), -1)
-    else:  # every step's minibatch, gathered once
-        gathered = data.x[batches]
-        inputs = list(gathered.unbind(0))
-        inputs_t = (
-            list(gathered.flatten(2).transpose(1, 2).contiguous().unbind(0)) if first >= 0 else []
-        )
-        labels = data.y[batches]
-    head_weight = {**loss.fixed, **params}["head.weight"]
-    # the head works on transposed logits [K, B]: products with a few outputs run fastest so
-    target = F.one_hot(labels, head_weight.shape[0]).to(weights.dtype).transpose(1, 2)
-    target = target * weights.unsqueeze(1)  # [S, K, B]: onehot(y) * mask / n_s
+    feed = step_inputs(plan, loss, data, batches, batch_mask)
+    inputs, inputs_t, first, target, weights = (
+        feed.inputs,
+        feed.inputs_t,
+        feed.first,
+        feed.target,
+        feed.weights,
+    )
     label_mask = loss.label_mask > 0
     empty = data.x.new_empty(0)
     # The trained parameters, in the kernel's layout, are views of one flat vector, so that the
     # regularizers cost one operation per step however many tensors the model has.
     order = [k for layer in plan for k in _keys(layer, params)]
-    flat = torch.cat([_kernel_layout(plan, k, params[k]).reshape(-1) for k in order])
-    views, offset = {}, 0
-    for k in order:
-        shape = _kernel_layout(plan, k, params[k]).shape
-        views[k] = flat[offset : offset + shape.numel()].view(shape)
-        offset += shape.numel()
+    flat, views = flat_views(plan, order, params)
     held = {k: _kernel_layout(plan, k, v).contiguous() for k, v in loss.fixed.items()}
     full = {**held, **views}
 
@@ -226,7 +223,7 @@ def _run(
     # the real steps after which it moves: every ``every``-th counted from the state's count
     moves = [(done + j + 1) % every == 0 for j in range(len(real))] if every > 0 else []
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
-        log_probs, distances, dots = _compiled()(
+        log_probs, distances, dots = compiled(_steps)(
             [layer.kind for layer in plan],
             [_settings(layer) for layer in plan],
             [full.get(layer.weight, empty) for layer in plan],
@@ -263,6 +260,58 @@ def _run(
     iterates = _unflatten(plan, iterate_sum, views) if sum_iterates else None
     moved = (_unflatten(plan, moving, views), len(real)) if every > 0 else None
     return trained, (total + values.sum()) / (count + len(values)), iterates, moved
+
+
+class StepInputs(NamedTuple):
+    """What the kernel reads of each step's minibatch (see :func:`_steps`)."""
+
+    inputs: list[Tensor]
+    inputs_t: list[Tensor]
+    first: int
+    target: Tensor
+    weights: Tensor
+
+
+def step_inputs(
+    plan: tuple[Layer, ...], loss: ModelLoss, data: ClientData, batches: Tensor, batch_mask: Tensor
+) -> StepInputs:
+    """The inputs of the steps ``batches`` / ``batch_mask`` (``[S, B]``, every step real),
+    gathered once: each step's input, the transposed input of the linear layer ``first`` that
+    reads it (-1: none), ``onehot(y)^T * mask / n`` ``[S, K, B]`` and ``mask / n`` ``[S, B]``
+    (times the samples' weights when the loss has them)."""
+    weights = batch_mask / batch_mask.sum(1, keepdim=True).clamp(min=1)  # [S, B]: mask / n_s
+    if loss.sample_weights is not None:  # [S, B]: w_idx * mask / n_s
+        weights = weights * loss.sample_weights[batches]
+    first = _first_linear(plan)
+    if batches.shape[-1] == data.x.shape[0]:  # full batch: every step is the whole local set
+        inputs = [data.x] * len(batches)
+        inputs_t = [data.x.flatten(1).t().contiguous()] * len(batches) if first >= 0 else []
+        labels = data.y.expand(len(batches), -1)
+    else:  # every step's minibatch, gathered once
+        gathered = data.x[batches]
+        inputs = list(gathered.unbind(0))
+        inputs_t = (
+            list(gathered.flatten(2).transpose(1, 2).contiguous().unbind(0)) if first >= 0 else []
+        )
+        labels = data.y[batches]
+    classes = loss.label_mask.shape[-1]
+    # the head works on transposed logits [K, B]: products with a few outputs run fastest so
+    target = F.one_hot(labels, classes).to(weights.dtype).transpose(1, 2)
+    target = target * weights.unsqueeze(1)  # [S, K, B]: onehot(y) * mask / n_s
+    return StepInputs(inputs, inputs_t, first, target, weights)
+
+
+def flat_views(
+    plan: tuple[Layer, ...], order: list[str], params: Params
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``params[order]`` in the kernel's layout as one flat vector, and each as a view of it."""
+    flat = torch.cat([_kernel_layout(plan, k, params[k]).reshape(-1) for k in order])
+    views, offset = {}, 0
+    for k in order:
+        shape = _kernel_layout(plan, k, params[k]).shape
+        views[k] = flat[offset : offset + shape.numel()].view(shape)
+        offset += shape.numel()
+    return flat, views
 
 
 def _unflatten(plan: tuple[Layer, ...], vector: Tensor, views: Params) -> Params:
@@ -307,22 +356,6 @@ def _settings(layer: Layer) -> list[int]:
     if layer.kind == "flatten":
         return [m.start_dim, m.end_dim]
     return []
-
-
-_scripted: list = []
-
-
-def _compiled():
-    """The step loop compiled with TorchScript (its interpreter releases the GIL and has little
-    per-operation overhead), or the same Python function when TorchScript is unavailable."""
-    if not _scripted:
-        try:
-            with warnings.catch_warnings():  # deprecated in favour of torch.compile, whose
-                warnings.simplefilter("ignore", DeprecationWarning)  # calls cost far more here
-                _scripted.append(torch.jit.script(_steps))
-        except Exception:  # noqa: BLE001  (any failure to compile falls back to eager Python)
-            _scripted.append(_steps)
-    return _scripted[0]
 
 
 def _steps(
@@ -372,8 +405,6 @@ def _steps(
     log-probabilities ``[K, B]`` and, before the step, ``||flat - anchor||^2`` and
     ``<linear, flat>`` (empty lists without them).
     """
-    layers = len(kinds)
-    head = layers - 1
     params = weights
     scratch = torch.empty_like(anchor)
     log_probs: list[Tensor] = []
@@ -387,89 +418,15 @@ def _steps(
             distances.append(torch.dot(difference, difference))
         if linear.numel() > 0:
             dots.append(torch.dot(linear, flat))
-        saved: list[Tensor] = []
-        indices: list[Tensor] = []
-        shapes: list[list[int]] = []
-        a = inputs[s]
-        for i in range(head):
-            kind, setting = kinds[i], settings[i]
-            saved.append(a)
-            indices.append(a)
-            shapes.append(a.size())
-            if kind == "linear":
-                a = torch.addmm(biases[i], a, params[i]) if flags[i][0] else torch.mm(a, params[i])
-            elif kind == "conv":
-                bias: Tensor | None = None
-                if flags[i][0]:
-                    bias = biases[i]
-                a = torch.conv2d(a, params[i], bias, setting[0:2], setting[2:4], setting[4:6], 1)
-            elif kind == "relu":
-                a = torch.relu(a)
-                saved[i] = a  # its backward reads the output
-            elif kind == "maxpool":
-                a, where = torch.ops.aten.max_pool2d_with_indices(
-                    a, setting[0:2], setting[2:4], setting[4:6], setting[6:8], setting[8] == 1
-                )
-                indices[i] = where
-            elif kind == "flatten":
-                a = a.flatten(setting[0], setting[1])
-        logits = torch.mm(params[head], a.t())  # [K, B]
-        if flags[head][0]:
-            logits = logits + biases[head].unsqueeze(1)
-        if masked:
-            logits = logits.masked_fill(~label_mask, lowest_logit)
-        log_p = torch.log_softmax(logits, 0)
+        a, log_p, grad_t, saved, indices, shapes = forward_pass(
+            kinds, settings, params, biases, flags, inputs[s], negative_target[s], weight_rows[s],
+            label_mask, masked, lowest_logit,
+        )  # fmt: skip
         log_probs.append(log_p)
-        grad_t = torch.addcmul(negative_target[s], log_p.exp(), weight_rows[s])  # dL/dlogits^T
-        grad = grad_t
-        if head > lowest:
-            grad = torch.mm(grad_t.t(), params[head])  # before this step's update
-        if flags[head][1]:
-            params[head].addmm_(grad_t, a, beta=shrink, alpha=-lr)
-        if flags[head][2]:
-            biases[head].addmv_(grad_t, ones, beta=shrink, alpha=-lr)
-        for i in range(head - 1, lowest - 1, -1):
-            kind, setting, keep, below = kinds[i], settings[i], saved[i], i > lowest
-            if kind == "linear":
-                grad_in = grad
-                if below:
-                    grad_in = torch.mm(grad, params[i].t())  # before this step's update
-                if flags[i][1]:
-                    left = inputs_t[s] if i == first else keep.t()
-                    params[i].addmm_(left, grad, beta=shrink, alpha=-lr)
-                if flags[i][2]:
-                    biases[i].addmv_(grad.t(), ones, beta=shrink, alpha=-lr)
-                grad = grad_in
-            elif kind == "conv":
-                bias_sizes: list[int] | None = None
-                if flags[i][0]:
-                    bias_sizes = [params[i].size(0)]
-                grad_in, grad_w, grad_b = torch.ops.aten.convolution_backward(
-                    grad,
-                    keep,
-                    params[i],
-                    bias_sizes,
-                    setting[0:2],
-                    setting[2:4],
-                    setting[4:6],
-                    False,
-                    [0, 0],
-                    1,
-                    [below, flags[i][1], flags[i][2]],
-                )
-                if flags[i][1]:
-                    _shrunk(params[i], shrink).add_(grad_w, alpha=-lr)
-                if flags[i][2]:
-                    _shrunk(biases[i], shrink).add_(grad_b, alpha=-lr)
-                grad = grad_in
-            elif kind == "relu":
-                grad = torch.ops.aten.threshold_backward(grad, keep, 0.0)
-            elif kind == "maxpool":
-                grad = torch.ops.aten.max_pool2d_with_indices_backward(
-                    grad, keep, setting[0:2], setting[2:4], setting[4:6], setting[6:8], setting[8] == 1, indices[i]
-                )  # fmt: skip
-            elif kind == "flatten":
-                grad = grad.reshape(shapes[i])
+        backward_pass(
+            kinds, settings, params, biases, params, biases, flags, saved, indices, shapes, a,
+            grad_t, inputs_t[s] if first >= 0 else a, first, ones, lr, shrink, lowest,
+        )  # fmt: skip
         if pull.numel() > 0:
             flat.add_(pull)
         if len(moves) > 0 and moves[s]:  # the anchor moves toward the parameters
@@ -478,10 +435,3 @@ def _steps(
             if linear.numel() > 0:
                 pull.add_(linear, alpha=lr)
     return log_probs, distances, dots
-
-
-def _shrunk(p: Tensor, shrink: float) -> Tensor:
-    """``p`` scaled by ``shrink`` in place (weight decay and the proximal pull's shrinkage)."""
-    if shrink != 1.0:
-        p.mul_(shrink)
-    return p

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -23,6 +24,8 @@ from pflego.loss import ModelLoss
 from pflego.optim import Optimizer, OptState
 from pflego.tree import Params
 from pflego.types import ClientData
+
+T = TypeVar("T")
 
 LossFn = Callable[[Params, Tensor, Tensor, Tensor], Tensor]
 
@@ -51,6 +54,21 @@ def fused_steps(enabled: bool = True) -> Iterator[StepCounts]:
         yield counts
     finally:
         _fusion.counts = previous
+
+
+def fused_or_none(run: Callable[[], T | None]) -> T | None:
+    """``run()`` (a fused computation, ``None`` where it does not apply) inside
+    :func:`fused_steps`, counted there as fused or, on ``None``, as autograd; outside the block,
+    ``None`` without running it."""
+    counts = getattr(_fusion, "counts", None)
+    if counts is None:
+        return None
+    result = run()
+    if result is None:
+        counts.autograd += 1
+    else:
+        counts.fused += 1
+    return result
 
 
 def train_steps(
@@ -110,17 +128,15 @@ def _train(
     steps: slice,
     sum_iterates: bool,
 ) -> tuple[Params, OptState, Tensor, Params | None]:
-    counts = getattr(_fusion, "counts", None)
-    if counts is not None:
-        from pflego.fused import fused_sgd_steps
+    from pflego.fused import fused_sgd_steps
 
-        fused = fused_sgd_steps(
+    fused = fused_or_none(
+        lambda: fused_sgd_steps(
             loss_fn, params, data, optimizer, lr, steps, sum_iterates, opt_state
         )
-        if fused is not None:
-            counts.fused += 1
-            return fused
-        counts.autograd += 1
+    )
+    if fused is not None:
+        return fused
     step_and_loss = grad_and_value(loss_fn)
     # A schedule as wide as the local set is full batch: its rows are arange(n) wherever the mask
     # is 1, so the whole (padded) set is used as is instead of being gathered every step.

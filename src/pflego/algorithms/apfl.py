@@ -42,6 +42,10 @@ predicts with w.
 
 A client that never trained runs these local steps once from the global model (``v_i = w``) on its
 training split (the run's schedule) and predicts with the resulting mixture.
+
+Speed: with plain SGD and alpha_i fixed through each step (not ``adaptive_alpha`` with
+``alpha_update="step"``), a client's steps run as one fused program (:mod:`pflego.fused_bilevel`)
+on the ``fused`` backend, which ``auto`` then picks on CPU; otherwise autograd, step by step.
 """
 
 from __future__ import annotations
@@ -56,8 +60,10 @@ from torch import Tensor
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
-from pflego.local import train_steps
-from pflego.optim import Optimizer, OptState
+from pflego.fused_bilevel import Substep, fused_program, real_rows
+from pflego.local import fused_or_none, train_steps
+from pflego.loss import ModelLoss
+from pflego.optim import SGD, Optimizer, OptState
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext
 
@@ -179,27 +185,77 @@ class APFL(Algorithm):
             v = tree.strip_prefix("v.", params)
             once = self.first_step_alpha(downlink, v, alpha, data, ctx.client_lr)
         optimizer = self.local_optimizer()
+        fused = None
+        if not per_step:  # alpha_i fixed within each step: the steps may run fused
+            fused = fused_or_none(
+                lambda: self.fused_steps(params, alpha, once, optimizer, data, ctx.client_lr)
+            )
+        if fused is not None:
+            params, mean_loss = fused
+        else:
+            params, mean_loss = self.autograd_steps(
+                objective, params, alpha, once, optimizer, data, ctx.client_lr
+            )
+        new_state = {
+            **tree.add_prefix("v.", tree.strip_prefix("v.", params)),
+            "alpha": params["alpha"] if per_step else (alpha if once is None else once),
+            "trained": torch.ones_like(state["trained"]),
+        }
+        upload = tree.sub(downlink, tree.strip_prefix("w.", params))
+        metrics = {"loss": mean_loss}  # f_i(w) + f_i(v-bar), per step
+        return ClientOut(upload, data.num_samples, metrics), new_state
+
+    def autograd_steps(self, objective, params, alpha, once, optimizer, data, lr):
+        """The round's local steps, one ``train_steps`` call each (``objective(alpha)``: the
+        step's loss); returns the parameters and the mean loss over the real steps."""
+        per_step = "alpha" in params
         opt_state = optimizer.init(params)
         total, count = torch.zeros(()), torch.zeros(())
         for s in range(data.batches.shape[0]):
             params, opt_state, loss = train_steps(
-                objective(alpha), params, data, optimizer, opt_state, ctx.client_lr,
-                slice(s, s + 1),
-            )  # fmt: skip
+                objective(alpha), params, data, optimizer, opt_state, lr, slice(s, s + 1)
+            )
             if per_step:
                 params["alpha"] = params["alpha"].clamp(0, 1)
             real = data.batch_mask[s].sum() > 0
             if once is not None:  # the first real step used the old alpha_i, later ones the new
                 alpha = torch.where(real & (count == 0), once, alpha)
             total, count = total + loss, count + real.to(count.dtype)
-        new_state = {
-            **tree.add_prefix("v.", tree.strip_prefix("v.", params)),
-            "alpha": params["alpha"] if per_step else alpha,
-            "trained": torch.ones_like(state["trained"]),
-        }
-        upload = tree.sub(downlink, tree.strip_prefix("w.", params))
-        metrics = {"loss": total / count.clamp(min=1)}  # f_i(w) + f_i(v-bar), per step
-        return ClientOut(upload, data.num_samples, metrics), new_state
+        return params, total / count.clamp(min=1)
+
+    def fused_steps(
+        self,
+        params: Params,
+        alpha: Tensor,
+        once: Tensor | None,
+        optimizer: Optimizer,
+        data: ClientData,
+        lr: float,
+    ) -> tuple[Params, Tensor] | None:
+        """The round's local steps as one fused program, or ``None`` where they do not fuse
+        (another optimizer or loss): per real step, w's SGD step at w and v's at the mixture
+        v-bar of the step's starting point, whose gradient in v is ``alpha grad f_i(v-bar)``
+        (alpha_i: the old one at the first real step, ``once`` after it, when given)."""
+        rows = real_rows(data)
+        if type(optimizer) is not SGD or type(self).loss is not Algorithm.loss or rows is None:
+            return None
+        w, v = tree.strip_prefix("w.", params), tree.strip_prefix("v.", params)
+        if not rows:
+            return {k: t.clone() for k, t in params.items()}, torch.zeros(())
+        lr, shrink = float(lr), 1 - float(lr) * optimizer.weight_decay
+        later = float(alpha if once is None else once)
+        substeps = []
+        for k, row in enumerate(rows):  # points: 0 is w, 1 is v, 2 is v-bar
+            a = float(alpha) if k == 0 else later
+            mix = ((2, 0, 1, a),)  # v-bar <- w + a (v - w)
+            substeps += [Substep(0, 0, lr, shrink, row, mix), Substep(2, 1, lr * a, shrink, row)]
+        loss = ModelLoss(self.model, data.label_mask)
+        fused = fused_program(loss, [w, v, v], data, substeps)
+        if fused is None:
+            return None
+        (w, v, _), values = fused
+        trained = {**tree.add_prefix("w.", w), **tree.add_prefix("v.", v)}
+        return trained, values.reshape(-1, 2).sum(1).mean()
 
     def population_metrics(self, server, states):
         """alpha_i over the clients that have trained: ``alpha_mean``, ``alpha_min``, ``alpha_max``

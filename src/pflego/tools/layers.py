@@ -42,7 +42,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "pflego.graphs",
         ),
     ),
-    ("local training", ("pflego.loss", "pflego.fused", "pflego.local")),
+    (
+        "local training",
+        (
+            "pflego.loss",
+            "pflego.fused_passes",
+            "pflego.fused",
+            "pflego.fused_bilevel",
+            "pflego.local",
+        ),
+    ),
     ("algorithms", ("pflego.algorithms",)),
     ("simulation", ("pflego.sim",)),
     ("experiments", ("pflego.experiments", "pflego.bench", "pflego.comm", "pflego.report")),
