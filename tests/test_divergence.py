@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 import yaml
 from conftest import TINY
 
@@ -21,6 +22,7 @@ from pflego.sim.guards import (
     DIVERGENCE_EVALUATIONS,
     DIVERGENCE_FACTOR,
     divergence_threshold,
+    finite_rows,
     loss_diverged,
 )
 from pflego.sim.rounds import Simulation
@@ -116,3 +118,18 @@ def test_a_loss_that_spikes_once_and_recovers_is_not_stopped(monkeypatch):
     simulation.plots = False
     history = simulation.run(progress=False)
     assert [r["train_loss"] for r in history.records][1:] == [1e6, 1.0, 1e6]
+
+
+def test_finite_rows_agree_with_isfinite_on_nan_infinities_and_overflowing_sums():
+    big = torch.finfo(torch.float32).max
+    upload = torch.zeros(6, 4)
+    upload[1, 2] = float("nan")
+    upload[2, 0] = float("inf")
+    upload[3, 3] = -float("inf")
+    upload[4, :2] = big  # finite entries whose sum overflows: still a finite row
+    upload[5, 0], upload[5, 1] = float("inf"), -float("inf")  # a NaN sum
+    counts = torch.arange(6 * 3).reshape(6, 3)  # integers are always finite
+    expected = torch.isfinite(upload).all(1)
+    assert expected.tolist() == [True, False, False, False, True, False]
+    assert torch.equal(finite_rows({"w": upload, "n": counts}), expected)
+    assert torch.equal(finite_rows({"w": upload[[0, 4]]}), torch.tensor([True, True]))

@@ -24,7 +24,7 @@ from pflego.data.stream import synthetic_stream
 from pflego.errors import ConfigError
 from pflego.history import CheckpointWriter, RunDir
 from pflego.rng import minibatch_rng
-from pflego.sim import Simulation, build_experiment, resume, run
+from pflego.sim import Profile, Simulation, build_experiment, resume, run
 from pflego.sim.backends import VmapBackend, loop_backend, size_buckets
 from pflego.sim.clients import ClientStore, lazy_zeros
 
@@ -224,6 +224,9 @@ def test_run_profile_breaks_the_time_down(tmp_path, capsys):
     assert parts["train"] > 0 and parts["evaluate"] > 0
     assert parts["total"] >= sum(v for k, v in parts.items() if k != "total") - 1e-2
     assert profile["rounds"] == 2 and profile["evaluations"] == 3
+    system = profile["system_seconds"]
+    assert 0 <= system["total"] <= profile["cpu_seconds"]["total"] + 0.05
+    assert all(system[part] <= profile["cpu_seconds"][part] + 0.05 for part in Profile.PARTS)
     assert "seconds: " in capsys.readouterr().out
 
 

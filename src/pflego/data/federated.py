@@ -149,7 +149,8 @@ class FederatedData:
 
     def inputs(self, x: Tensor) -> Tensor:
         """Stored inputs as float32 model inputs."""
-        return x.to(torch.float32) * self.scale
+        converted = x.to(torch.float32)
+        return converted.mul_(self.scale) if converted is not x else converted * self.scale
 
     def train_slice(self, i: int) -> slice:
         return slice(int(self.train_offsets[i]), int(self.train_offsets[i + 1]))

@@ -124,10 +124,26 @@ def finite_rows(*stacked: dict[str, Tensor]) -> Tensor:
     leaves = [v for t in stacked for v in t.values()]
     if not leaves:
         return torch.ones(0, dtype=torch.bool)
-    flags = [torch.isfinite(v.reshape(v.shape[0], -1)).all(1) for v in leaves if v.dim() > 0]
+    flags = [finite_by_row(v.reshape(v.shape[0], -1)) for v in leaves if v.dim() > 0]
     return (
         torch.stack(flags).all(0).cpu() if flags else torch.ones(len(leaves[0]), dtype=torch.bool)
     )
+
+
+def finite_by_row(matrix: Tensor) -> Tensor:
+    """``[C]`` booleans: which rows of a ``[C, n]`` tensor are all finite.
+
+    A row's sum is finite only when all of its entries are (a NaN or an infinity makes it NaN or
+    infinite), and summing reads the row once without the boolean copy that ``isfinite`` writes
+    (several times faster); only when some sum is not finite (an entry is not, or a finite row
+    overflowed) are the entries themselves checked.
+    """
+    if not (matrix.is_floating_point() or matrix.is_complex()):  # integers are finite
+        return torch.ones(matrix.shape[0], dtype=torch.bool, device=matrix.device)
+    sums = matrix.sum(1)
+    if bool(torch.isfinite(sums).all()):
+        return torch.ones(matrix.shape[0], dtype=torch.bool, device=matrix.device)
+    return torch.isfinite(matrix).all(1)
 
 
 @dataclass(frozen=True)

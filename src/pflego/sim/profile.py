@@ -13,31 +13,36 @@ from typing import Any
 class Profile:
     """Where a run's wall-clock time goes: data, train, evaluate, checkpoint (the time the round
     loop waits for it) and the rest; ``startup`` is the process's time before the run began
-    (interpreter and imports), when known."""
+    (interpreter and imports), when known. The CPU time of each part is counted too, and the
+    part of it the kernel spent (page faults, memory mapped and unmapped, system calls)."""
 
     PARTS = ("data", "train", "evaluate", "checkpoint")
 
     def __init__(self, startup: float | None = None) -> None:
         self.start, self.start_cpu = time.perf_counter(), time.process_time()
+        self.start_system = os.times().system
         self.startup = startup
         self.seconds = dict.fromkeys(self.PARTS, 0.0)
         self.cpu_seconds = dict.fromkeys(self.PARTS, 0.0)
+        self.system_seconds = dict.fromkeys(self.PARTS, 0.0)
 
     @contextmanager
     def part(self, name: str) -> Iterator[None]:
-        start, start_cpu = time.perf_counter(), time.process_time()
+        start, start_cpu, start_system = time.perf_counter(), time.process_time(), os.times().system
         try:
             yield
         finally:
             self.seconds[name] += time.perf_counter() - start
             self.cpu_seconds[name] += time.process_time() - start_cpu
+            self.system_seconds[name] += os.times().system - start_system
 
     def summary(self, **facts: Any) -> dict[str, Any]:
         """Wall-clock seconds by part (``other``: the rest of the run), the process's CPU seconds
-        by part (all threads; on a busy machine they show what the run itself cost), and
-        ``facts``."""
+        by part (all threads; on a busy machine they show what the run itself cost), the system
+        (kernel) share of those, and ``facts``."""
         total = time.perf_counter() - self.start
         total_cpu = time.process_time() - self.start_cpu
+        total_system = os.times().system - self.start_system
 
         def table(parts: dict[str, float], whole: float, startup: float | None) -> dict:
             out = {"startup": round(startup, 3)} if startup is not None else {}
@@ -48,6 +53,7 @@ class Profile:
         return {
             "seconds": table(self.seconds, total, self.startup),
             "cpu_seconds": table(self.cpu_seconds, total_cpu, None),
+            "system_seconds": table(self.system_seconds, total_system, None),
             **facts,
         }
 

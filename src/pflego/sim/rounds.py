@@ -32,6 +32,7 @@ from pflego.sim.guards import (
     loss_exploded,
     rows,
 )
+from pflego.sim.memory import retained_heap
 from pflego.sim.metrics import build_pools
 from pflego.sim.privacy import Privacy, server_round
 from pflego.sim.profile import Profile
@@ -381,7 +382,7 @@ class Simulation(Evaluation):
         run can be resumed.
         """
         cfg = self.cfg
-        with tracking(self.run_dir, to_dict(cfg), self.records):
+        with tracking(self.run_dir, to_dict(cfg), self.records), retained_heap():
             try:
                 if self.evaluation_missing():
                     self.evaluate(self.next_round)
