@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from pflego.loss import ModelLoss
-from pflego.models import Layer
+from pflego.models import Layer, channels_last
 from pflego.optim import ANCHOR, SGD, STEPS, Optimizer, OptState, Proximal
 from pflego.tree import Params
 from pflego.types import ClientData
@@ -178,13 +178,14 @@ def _run(
     if loss.sample_weights is not None:  # [S, B]: w_idx * mask / n_s
         weights = weights * loss.sample_weights[batches]
     first = _first_linear(plan)
+    convolutional = any(layer.kind == "conv" for layer in plan) and data.x.dim() == 4
     if batches.shape[-1] == data.x.shape[0]:  # full batch: every step is the whole local set
-        inputs = [data.x] * len(batches)
+        inputs = [channels_last(data.x) if convolutional else data.x] * len(batches)
         inputs_t = [data.x.flatten(1).t().contiguous()] * len(batches) if first >= 0 else []
         labels = data.y.expand(len(batches), -1)
     else:  # every step's minibatch, gathered once
         gathered = data.x[batches]
-        inputs = list(gathered.unbind(0))
+        inputs = list((channels_last(gathered) if convolutional else gathered).unbind(0))
         inputs_t = (
             list(gathered.flatten(2).transpose(1, 2).contiguous().unbind(0)) if first >= 0 else []
         )
@@ -470,6 +471,8 @@ def _steps(
                 )  # fmt: skip
             elif kind == "flatten":
                 grad = grad.reshape(shapes[i])
+                if keep.dim() == 4 and keep.is_contiguous(memory_format=torch.channels_last):
+                    grad = grad.contiguous(memory_format=torch.channels_last)  # as its input
         if pull.numel() > 0:
             flat.add_(pull)
         if len(moves) > 0 and moves[s]:  # the anchor moves toward the parameters
