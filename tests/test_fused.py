@@ -237,6 +237,27 @@ def test_evaluation_shortcuts_compute_what_the_modules_compute(name):
     torch.testing.assert_close(apply_layers(model.layers, params, x), expected)  # with autograd
 
 
+@pytest.mark.parametrize("name", ["conv", "rgb-conv"])
+def test_evaluation_under_vmap_of_per_client_bodies_equals_each_clients_own(name):
+    """Per-client convolutional bodies under vmap run client by client (one operator whose vmap
+    rule loops): the features of each client's own parameters, for batched and shared bodies."""
+    model, params, x, _ = setting(name)
+    clients = [setting(name, seed)[1] for seed in range(3)]
+    stacked = {k: torch.stack([p[k] for p in clients]) for k in params}
+    inputs = torch.stack([x, x.flip(0), x * 2])
+    forward = lambda p, xb: apply_layers(model.layers, p, xb)  # noqa: E731
+    with torch.no_grad():
+        batched = vmap(forward)(stacked, inputs)
+        shared = vmap(forward, in_dims=(None, 0))(params, inputs)
+        for i, p in enumerate(clients):
+            torch.testing.assert_close(batched[i], forward(p, inputs[i]))
+            torch.testing.assert_close(shared[i], forward(params, inputs[i]))
+        nested = vmap(vmap(forward))(
+            {k: v.expand(2, *v.shape) for k, v in stacked.items()}, inputs.expand(2, *inputs.shape)
+        )
+        torch.testing.assert_close(nested[1], batched)
+
+
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_a_proximal_optimizer_fuses_and_logs_the_loss_without_its_term(weight_decay):
     """``Proximal(SGD)`` on a declared loss: the same steps as autograd, and the logged value is

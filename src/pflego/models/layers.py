@@ -122,6 +122,9 @@ def apply_layers(
     hundreds of rows: seven times).
     """
     inference = not torch.is_grad_enabled()
+    if inference and _per_element(layers, params, x):
+        keys = [k for layer in layers for k in (layer.weight, layer.bias) if k in params]
+        return _plain_layers(_plan_id(layers, keys), x, [params[k] for k in keys])
     owned = False  # whether x is an intermediate result this function may overwrite
     for layer in layers:
         m = layer.module
@@ -152,6 +155,59 @@ def apply_layers(
         elif layer.kind == "batchnorm":
             x, owned = _batch_norm(layer, params, x, mask, stats), True
     return x
+
+
+def _per_element(layers: tuple[Layer, ...], params: Params, x: Tensor) -> bool:
+    """Whether a convolutional body without batch norm runs on CPU under ``torch.func.vmap``
+    (its inputs wrapped): then :func:`_plain_layers` runs it one batch element at a time."""
+    kinds = {layer.kind for layer in layers}
+    return (
+        x.device.type == "cpu"
+        and "conv" in kinds
+        and "batchnorm" not in kinds
+        and (_wrapped(x) or any(_wrapped(v) for v in params.values()))
+    )
+
+
+#: The bodies :func:`_plain_layers` has run: each one's layers and parameter names, by number.
+_plans: list[tuple[tuple[Layer, ...], tuple[str, ...]]] = []
+_plan_ids: dict[tuple[tuple[Layer, ...], tuple[str, ...]], int] = {}
+
+
+def _plan_id(layers: tuple[Layer, ...], keys: list[str]) -> int:
+    plan = (layers, tuple(keys))
+    if plan not in _plan_ids:
+        _plan_ids[plan] = len(_plans)
+        _plans.append(plan)
+    return _plan_ids[plan]
+
+
+@torch.library.custom_op("pflego::plain_layers", mutates_args=())
+def _plain_layers(plan: int, x: Tensor, tensors: list[Tensor]) -> Tensor:
+    """:func:`apply_layers` in evaluation, as an operator whose ``vmap`` rule loops over the
+    batch: each element's convolutions then run on channels-last inputs, over activations that
+    stay in cache, where vmap's own rule (grouped convolutions over ``NCHW`` activations of the
+    whole batch) runs the PGFed CNN's per-client evaluation 2.5 times slower."""
+    layers, keys = _plans[plan]
+    with torch.no_grad():
+        return apply_layers(layers, dict(zip(keys, tensors)), x)
+
+
+@_plain_layers.register_vmap
+def _plain_layers_per_element(
+    info: object, in_dims: tuple, plan: int, x: Tensor, tensors: list[Tensor]
+) -> tuple[Tensor, int]:
+    _, x_dim, dims = in_dims
+    if all(d is None for d in dims):  # a shared body: the batch's rows as one batch
+        rows = x.movedim(x_dim, 0)
+        out = _plain_layers(plan, rows.flatten(0, 1), tensors)
+        return out.unflatten(0, rows.shape[:2]), 0
+    pick = lambda t, d, i: t if d is None else t.select(d, i)  # noqa: E731
+    outs = [
+        _plain_layers(plan, pick(x, x_dim, i), [pick(t, d, i) for t, d in zip(tensors, dims)])
+        for i in range(info.batch_size)
+    ]
+    return torch.stack(outs), 0
 
 
 def _wrapped(x: Tensor) -> bool:
