@@ -125,6 +125,18 @@ def apply_layers(
     if inference and _per_element(layers, params, x):
         keys = [k for layer in layers for k in (layer.weight, layer.bias) if k in params]
         return _plain_layers(_plan_id(layers, keys), x, [params[k] for k in keys])
+    return _forward(layers, params, x, mask, stats, inference)
+
+
+def _forward(
+    layers: tuple[Layer, ...],
+    params: Params,
+    x: Tensor,
+    mask: Tensor | None,
+    stats: dict[str, BatchStats] | None,
+    inference: bool,
+) -> Tensor:
+    """:func:`apply_layers`'s layers, one after another."""
     owned = False  # whether x is an intermediate result this function may overwrite
     for layer in layers:
         m = layer.module
@@ -190,7 +202,7 @@ def _plain_layers(plan: int, x: Tensor, tensors: list[Tensor]) -> Tensor:
     whole batch) runs the PGFed CNN's per-client evaluation 2.5 times slower."""
     layers, keys = _plans[plan]
     with torch.no_grad():
-        return apply_layers(layers, dict(zip(keys, tensors)), x)
+        return _forward(layers, dict(zip(keys, tensors)), x, None, None, inference=True)
 
 
 @_plain_layers.register_vmap
