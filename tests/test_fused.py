@@ -14,7 +14,7 @@ from pflego.algorithms.pfedme import PFedMe
 from pflego.fused import fused_sgd_steps
 from pflego.local import fused_steps, train_steps, train_steps_summing_iterates
 from pflego.loss import ModelLoss
-from pflego.models import SplitModel, apply_layers, build_model, init_head
+from pflego.models import SplitModel, apply_layers, build_model, channels_last, init_head
 from pflego.optim import SGD, Momentum, Proximal
 from pflego.sim.backends import fuses
 from pflego.sim.clients import schedule
@@ -37,9 +37,18 @@ def conv_model() -> SplitModel:
     return SplitModel(body.double().requires_grad_(False), 7, 3, 3, "test-conv")
 
 
+def rgb_conv_model() -> SplitModel:
+    """Three input channels: inputs and activations stored channels-last differ from ``NCHW``."""
+    body = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 5, 2), nn.Flatten()
+    )
+    return SplitModel(body.double().requires_grad_(False), 5, 3, 3, "test-rgb-conv")
+
+
 MODELS = {
     "mlp": (lambda: build_model("mlp", (1, 3, 3), 3, 3), (1, 3, 3)),
     "conv": (conv_model, (1, 8, 8)),
+    "rgb-conv": (rgb_conv_model, (3, 7, 7)),
     "head": (lambda: None, (6,)),
 }
 
@@ -85,7 +94,7 @@ def both(loss: ModelLoss, params, data, optimizer, steps=slice(None)):
     return reference, fused, counts
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", ["mlp", "conv", "head"])
 @pytest.mark.parametrize("trained", ["all", "head", "body"])
 @pytest.mark.parametrize("terms", ["plain", "proximal", "linear", "weight-decay", "weighted"])
 @pytest.mark.parametrize("batch_size", [4, None])
@@ -116,6 +125,31 @@ def test_fused_steps_equal_autograd(name, trained, terms, batch_size):
     torch.testing.assert_close(out_loss, ref_loss, atol=1e-10, rtol=1e-9)
     assert all(not torch.equal(out[k], train[k]) for k in train)  # it trained
     assert all(v is not out[k] for k, v in train.items())  # on copies
+
+
+@pytest.mark.parametrize("terms", ["plain", "proximal"])
+@pytest.mark.parametrize("batch_size", [4, None])
+def test_channels_last_steps_on_several_input_channels_equal_autograd(terms, batch_size):
+    model, params, x, y = setting("rgb-conv")
+    data = client(x, y, batch_size, 2.0)
+    anchor = {k: v * 0.5 for k, v in params.items()}
+    extra = {"anchor": anchor, "strength": 0.7} if terms == "proximal" else {}
+    loss = ModelLoss(model, data.label_mask, **extra)
+    (ref, _, ref_loss), (out, _, out_loss), counts = both(loss, params, data, SGD())
+    assert (counts.fused, counts.autograd) == (1, 0)
+    for k in ref:
+        torch.testing.assert_close(out[k], ref[k], atol=1e-10, rtol=1e-9, msg=k)
+        assert out[k].is_contiguous()  # handed back in the model's layout
+    torch.testing.assert_close(out_loss, ref_loss, atol=1e-10, rtol=1e-9)
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_channels_last_keeps_the_values_and_says_its_layout(channels):
+    x = torch.randn(2, 4, channels, 5, 6)
+    stored = channels_last(x)
+    assert torch.equal(stored, x)
+    assert stored.stride()[-3:] == (1, 6 * channels, channels)  # even for one channel
+    assert stored[1].is_contiguous(memory_format=torch.channels_last)
 
 
 def test_sample_weights_weigh_each_samples_cross_entropy():
@@ -201,6 +235,27 @@ def test_evaluation_shortcuts_compute_what_the_modules_compute(name):
         batched = vmap(lambda xb: apply_layers(model.layers, params, xb))(x.expand(2, *x.shape))
         torch.testing.assert_close(batched[1], expected)
     torch.testing.assert_close(apply_layers(model.layers, params, x), expected)  # with autograd
+
+
+@pytest.mark.parametrize("name", ["conv", "rgb-conv"])
+def test_evaluation_under_vmap_of_per_client_bodies_equals_each_clients_own(name):
+    """Per-client convolutional bodies under vmap run client by client (one operator whose vmap
+    rule loops): the features of each client's own parameters, for batched and shared bodies."""
+    model, params, x, _ = setting(name)
+    clients = [setting(name, seed)[1] for seed in range(3)]
+    stacked = {k: torch.stack([p[k] for p in clients]) for k in params}
+    inputs = torch.stack([x, x.flip(0), x * 2])
+    forward = lambda p, xb: apply_layers(model.layers, p, xb)  # noqa: E731
+    with torch.no_grad():
+        batched = vmap(forward)(stacked, inputs)
+        shared = vmap(forward, in_dims=(None, 0))(params, inputs)
+        for i, p in enumerate(clients):
+            torch.testing.assert_close(batched[i], forward(p, inputs[i]))
+            torch.testing.assert_close(shared[i], forward(params, inputs[i]))
+        nested = vmap(vmap(forward))(
+            {k: v.expand(2, *v.shape) for k, v in stacked.items()}, inputs.expand(2, *inputs.shape)
+        )
+        torch.testing.assert_close(nested[1], batched)
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])

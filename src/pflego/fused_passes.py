@@ -159,6 +159,8 @@ def backward_pass(
             )  # fmt: skip
         elif kind == "flatten":
             grad = grad.reshape(shapes[i])
+            if keep.dim() == 4 and keep.is_contiguous(memory_format=torch.channels_last):
+                grad = grad.contiguous(memory_format=torch.channels_last)  # as its input
 
 
 def _shrunk(p: Tensor, shrink: float) -> Tensor:
