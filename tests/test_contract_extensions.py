@@ -314,3 +314,33 @@ def test_interrupt_checkpoints_and_resume_extends_the_run(tmp_path, tiny_setting
     strip = lambda h: [{k: v for k, v in r.items() if k != "seconds"} for r in h.records]  # noqa: E731
     assert strip(resumed) == strip(whole)
     assert strip(History.load(out)) == strip(whole)
+
+
+@pytest.mark.parametrize("name", ["pfedme", "fedrod"])
+def test_a_downlink_only_view_is_evaluated_once_per_split_with_the_same_numbers(name, monkeypatch):
+    """``downlink_predictions``: the view's logits come from one pass over each split (its
+    ``predict_v`` called with no state) and equal the per-client evaluation of the same view."""
+    from test_fast_sim import ragged_experiment
+
+    sims = [Simulation(ragged_experiment(name, participation=0.5), None) for _ in range(2)]
+    for sim in sims:
+        sim.run_round(0)
+    algorithm = type(sims[0].algorithm)
+    (view,) = algorithm.downlink_predictions
+    predict = getattr(algorithm, f"predict_{view}")
+    states_seen = []
+
+    def recording(self, downlink, state, x):
+        states_seen.append(state)
+        return predict(self, downlink, state, x)
+
+    monkeypatch.setattr(algorithm, f"predict_{view}", recording)
+    once = sims[0].evaluate(1)
+    assert states_seen and all(state is None for state in states_seen)
+    monkeypatch.setattr(algorithm, "downlink_predictions", ())
+    per_client = sims[1].evaluate(1)
+    assert any(state is not None for state in states_seen)
+    keys = [k for k in once if k.endswith(f"_{view}")]
+    assert keys and once.keys() == per_client.keys()
+    for key in keys + [k for k in once if k.startswith(("test_", "train_"))]:
+        assert once[key] == pytest.approx(per_client[key], rel=1e-12, abs=1e-12), key

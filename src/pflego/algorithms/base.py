@@ -64,6 +64,10 @@ class Algorithm:
     #: Extra evaluations of the same run: for each name ``v``, a method ``predict_v`` whose
     #: metrics are logged with the suffix ``_v`` (pFedMe's global model: ``("global",)``).
     predictions: ClassVar[tuple[str, ...]] = ()
+    #: The views of ``predictions`` whose ``predict_v`` reads the downlink only (never the
+    #: client's state, which it receives as ``None``): evaluation computes their logits once
+    #: over each split, not once per client (pFedMe's global model, FedRoD's generic one).
+    downlink_predictions: ClassVar[tuple[str, ...]] = ()
     #: How ``server_round`` moves the server's parameters: ``"optimizer"``, a step of the server
     #: optimizer of size ``server_lr`` (the default); ``"sgd"``, plain steps of size ``server_lr``
     #: and no other optimizer; ``"own"``, a rule of the method's own that uses neither setting.

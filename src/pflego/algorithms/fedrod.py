@@ -67,6 +67,7 @@ class FedRoD(Algorithm):
     shared: ClassVar[tuple[str, ...]] = ("body", "head")
     personal: ClassVar[tuple[str, ...]] = ("phead",)
     predictions: ClassVar[tuple[str, ...]] = ("generic",)
+    downlink_predictions: ClassVar[tuple[str, ...]] = ("generic",)
 
     def init_client(self, downlink, generator, ctx):
         """h_P = 0: until it trains, the client predicts with the generic model."""

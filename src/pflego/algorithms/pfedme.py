@@ -86,6 +86,7 @@ class PFedMe(Algorithm):
     weights: str = "uniform"
 
     predictions: ClassVar[tuple[str, ...]] = ("global",)
+    downlink_predictions: ClassVar[tuple[str, ...]] = ("global",)
     default_client_lr: ClassVar[float] = 0.005  # eta of the paper's Figures 1-4
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from weakref import WeakKeyDictionary
 
 import numpy as np
@@ -75,12 +76,17 @@ def _client_metrics(
     whose value for it would be infinite (the head gives its class probability 0); the loss is
     the mean over the samples of classes the head has (NaN when there are none).
     """
-    logits = predict(downlink, state, x)
-    logits = torch.where(lmask > 0, logits, torch.finfo(logits.dtype).min)
+    return logit_metrics(predict(downlink, state, x), y, mask, lmask)
+
+
+def logit_metrics(logits: Tensor, y: Tensor, mask: Tensor, lmask: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_client_metrics` of given logits ``[..., n, K]`` (labels and mask ``[..., n]``,
+    label mask ``[..., K]``): one client's, or each of a batch of clients'."""
+    logits = torch.where(lmask.unsqueeze(-2) > 0, logits, torch.finfo(logits.dtype).min)
     known = mask * (y >= 0).to(mask.dtype)
     log_p = torch.log_softmax(logits, -1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     correct = (logits.argmax(-1) == y).to(mask.dtype)  # never true for the label -1
-    return -(log_p * known).sum() / known.sum(), (correct * mask).sum() / mask.sum()
+    return -(log_p * known).sum(-1) / known.sum(-1), (correct * mask).sum(-1) / mask.sum(-1)
 
 
 def sample_elements(model: SplitModel, sample_shape: tuple[int, ...]) -> int:
@@ -138,23 +144,24 @@ def size_groups(
 
 
 class SharedFeatures:
-    """The shared body's features of a split, computed once per evaluation (lazily).
+    """A function of the shared downlink over a split's rows (the shared body's features, or a
+    downlink-only view's logits), computed once per evaluation (lazily).
 
-    With most of the pool's clients evaluated, the body runs over the whole pool in slices of
+    With most of the pool's clients evaluated, it runs over the whole pool in slices of
     ``batch_rows`` rows (no copy of the inputs); for a few clients (a sample, the clients whose
     state changed), over their own rows only.
     """
 
     def __init__(
-        self, model: SplitModel, downlink: Params, pool: ClientPool, clients: np.ndarray, rows: int
+        self, apply: Callable[[Tensor], Tensor], pool: ClientPool, clients: np.ndarray, rows: int
     ) -> None:
-        self.model, self.downlink, self.pool, self.batch_rows = model, downlink, pool, rows
+        self.apply, self.pool, self.batch_rows = apply, pool, rows
         self.whole = 2 * int(pool.sizes[clients].sum()) >= int(pool.sizes.sum())
         self.features: Tensor | None = None
 
     def _body(self, x: Tensor) -> Tensor:
         parts = [
-            self.model.features(self.downlink, x[start : start + self.batch_rows])
+            self.apply(x[start : start + self.batch_rows])
             for start in range(0, len(x), self.batch_rows)
         ]
         return torch.cat(parts) if len(parts) != 1 else parts[0]
@@ -242,7 +249,21 @@ def evaluate_clients(
     sizes = np.max([p.sizes[ids_all] for p in pools.values()], axis=0)
     groups = size_groups(sizes, per_sample * element, budget, chunk_size)
     columns: dict[str, np.ndarray] = {}
-    bodies: dict[str, SharedFeatures] = {}  # the downlink is shared whenever these are used
+    # the downlink is shared whenever these are used: per split, the body's features ("") and
+    # each downlink-only view's logits
+    bodies: dict[tuple[str, str], SharedFeatures] = {}
+    once = set() if algorithm.per_client_downlink else set(algorithm.downlink_predictions)
+
+    def shared(split: str, view: str, ids: np.ndarray, downlink: Params) -> Tensor:
+        if (split, view) not in bodies:
+            apply = (
+                partial(model.features, downlink)
+                if view == ""
+                else partial(views[view], downlink, None)
+            )
+            bodies[split, view] = SharedFeatures(apply, pools[split], ids_all, batch_rows)
+        return bodies[split, view].padded(ids)
+
     for group in groups:
         ids = ids_all[group]
         index = torch.as_tensor(ids, device=device)
@@ -253,23 +274,22 @@ def evaluate_clients(
             with torch.enable_grad():
                 adapted = tree.detach(personalize(downlink, raw, personalization.inputs(ids)))
         for split, pool in pools.items():
-            features, labels = None, None
+            features = None
+            rows, valid = pool.rows(ids)
+            labels = (pool.y[rows], valid.to(dtype))
             lmask = pool.label_masks[index]
             for view in views:
                 chunk_states = raw if view == "before_adapt" else adapted
                 whole = view not in head_views or any(k.startswith("body.") for k in chunk_states)
-                if whole:
+                if view in once:
+                    logits = shared(split, view, ids, downlink)
+                    loss, acc = logit_metrics(logits, *labels, lmask)
+                elif whole:
                     x, y, mask = pool.padded(ids)
                     loss, acc = metric_fns[view](downlink, chunk_states, x, y, mask, lmask)
                 else:
                     if features is None:
-                        if split not in bodies:
-                            bodies[split] = SharedFeatures(
-                                model, downlink, pool, ids_all, batch_rows
-                            )
-                        features = bodies[split].padded(ids)
-                        rows, valid = pool.rows(ids)
-                        labels = (pool.y[rows], valid.to(dtype))
+                        features = shared(split, "", ids, downlink)
                     loss, acc = head_metrics(downlink, chunk_states, features, *labels, lmask)
                 suffix = f"_{view}" if view else ""
                 for name, value in ((f"{split}_loss{suffix}", loss), (f"{split}_acc{suffix}", acc)):
