@@ -52,6 +52,9 @@ COMMON = {
 #: The settings of this machine's budget for the methods beyond the first sitting: the cheapest
 #: (about 2.5 CPU s a FedAvg point each, mnist5k-k2 9.4) whose best step sizes still disagree.
 CHEAP_SETTINGS = ("mnist5k-20", "fedem-synthetic")
+#: The next cheapest, run only where those two would move a default: the main experiment's
+#: tau = 50, where a large client step size is most at risk.
+CONFIRM_SETTING = "mnist5k-k2"
 
 #: The federations, cheapest first. ``data`` marks those that read --data-dir.
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -419,6 +422,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algorithms", default="all", help="comma-separated, or all (default)")
     parser.add_argument("--settings", default=",".join(CHEAP_SETTINGS))
+    parser.add_argument(
+        "--confirm",
+        default=CONFIRM_SETTING,
+        help="a setting run only for the algorithms whose choice differs from their default",
+    )
     parser.add_argument("--rounds", type=int, default=COMMON["rounds"])
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--runs", type=Path, default=Path("runs/defaults"))
@@ -448,7 +456,11 @@ def main() -> None:
     settings = [] if args.report_only else args.settings.split(",")
     for algorithm in names:
         entry = study["algorithms"].get(algorithm)
-        for setting in settings:
+        for setting in [*settings, *([args.confirm] if args.confirm and settings else [])]:
+            if setting == args.confirm and (
+                entry is None or entry.get("chosen") == entry["old default"]
+            ):
+                continue  # the default stays: no third setting needed to confirm a change
             if entry is not None and setting in entry["cells"]:
                 continue  # finished in an earlier sitting (or refused there)
             if entry is None:
