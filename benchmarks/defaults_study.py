@@ -310,6 +310,28 @@ def pct(value: float | None) -> str:
     return "diverged" if value is None else f"{100 * value:.2f}"
 
 
+def summary_table(study: dict[str, Any]) -> list[str]:
+    """One line per algorithm: its settings, the chosen point and the old default's regrets."""
+    lines = [
+        "## Summary",
+        "",
+        "| algorithm | settings | CPU s | chosen | worst regret | old default | worst regret |",
+        "|---|---|---:|---|---:|---|---:|",
+    ]
+    for algorithm, entry in study["algorithms"].items():
+        if "chosen" not in entry:
+            continue
+        done = [s for s, cell in entry["cells"].items() if cell.get("points")]
+        cpu = sum(entry["cells"][s]["cpu_seconds"] for s in done)
+        worst = entry["worst_regret"]
+        lines.append(
+            f"| {algorithm} | {', '.join(done)} | {cpu:.0f} | {entry['chosen']} | "
+            f"{100 * worst['chosen']:.2f}% | {entry['old default']} | "
+            f"{100 * worst['old default']:.2f}% |"
+        )
+    return [*lines, ""]
+
+
 def render(study: dict[str, Any]) -> str:
     """``report.md``: per algorithm the grid, each setting's best, the choice and the old default."""
     lines = [
@@ -329,6 +351,7 @@ def render(study: dict[str, Any]) -> str:
     for name, values in study["settings"].items():
         lines.append(f"- `{name}`: " + ", ".join(f"{k}={v}" for k, v in values.items()))
     lines.append("")
+    lines += summary_table(study)
     for algorithm, entry in study["algorithms"].items():
         settings = [s for s, cell in entry["cells"].items() if cell.get("points")]
         lines += [f"## {algorithm}", "", "Grid: " + "; ".join(f"`{g}`" for g in entry["grid"]), ""]
