@@ -34,7 +34,7 @@ from pflego.algorithms import ALGORITHMS
 from pflego.algorithms.base import hyperparameters
 from pflego.config import load_config, to_dict
 from pflego.experiments import measures as M
-from pflego.experiments.presets import ALL, point_label
+from pflego.experiments.presets import ALL, flatten, point_label
 from pflego.experiments.tune import Tuning, parse_grid, run_tuning, score_points
 from pflego.history import History
 
@@ -245,6 +245,13 @@ def default_grid(algorithm: str) -> list[str]:
     return [f"client_lr+options.{name}=" + ",".join(f"{decimal(a)}/{decimal(b)}" for a, b in pairs)]
 
 
+def joint_options_spelled_flat(grid: list[tuple[str, list[Any]]]) -> list[tuple[str, list[Any]]]:
+    """A joint dimension's values with their options spelled ``options.NAME``: parse_grid nests
+    them (``{"options": {...}}``), which the tuning's assignment would lay out as top-level
+    settings (``unknown setting 'dr_lr'``)."""
+    return [(key, [flatten(v) if "+" in key else v for v in values]) for key, values in grid]
+
+
 def run_cell(
     algorithm: str, setting: str, grid: list[str], args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -256,7 +263,7 @@ def run_cell(
     base = to_dict(load_config(values))
     tuning = Tuning(
         base,
-        parse_grid(grid),
+        joint_options_spelled_flat(parse_grid(grid)),
         [0],
         args.runs / f"{algorithm}-{setting}",
         title=f"Tuning {algorithm} in the setting {setting} (benchmarks/defaults_study.py)",
@@ -481,11 +488,11 @@ def main() -> None:
         entry = study["algorithms"].get(algorithm)
         for setting in [*settings, *([args.confirm] if args.confirm and settings else [])]:
             if setting == args.confirm and (
-                entry is None or entry.get("chosen") == entry["old default"]
+                entry is None or entry.get("chosen", entry["old default"]) == entry["old default"]
             ):
                 continue  # the default stays: no third setting needed to confirm a change
-            if entry is not None and setting in entry["cells"]:
-                continue  # finished in an earlier sitting (or refused there)
+            if entry is not None and "points" in entry["cells"].get(setting, {}):
+                continue  # finished in an earlier sitting (a failed cell is tried again)
             if entry is None:
                 old = OLD_DEFAULTS.get(algorithm) or current_default(algorithm)
                 entry = {
