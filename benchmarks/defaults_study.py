@@ -30,9 +30,11 @@ from typing import Any
 
 import torch
 
+from pflego.algorithms import ALGORITHMS
+from pflego.algorithms.base import hyperparameters
 from pflego.config import load_config, to_dict
 from pflego.experiments import measures as M
-from pflego.experiments.presets import ALL, point_label
+from pflego.experiments.presets import ALL, flatten, point_label
 from pflego.experiments.tune import Tuning, parse_grid, run_tuning, score_points
 from pflego.history import History
 
@@ -46,6 +48,13 @@ COMMON = {
     "seed": 0,
     "checkpoint_every": 1000,
 }
+
+#: The settings of this machine's budget for the methods beyond the first sitting: the cheapest
+#: (about 2.5 CPU s a FedAvg point each, mnist5k-k2 9.4) whose best step sizes still disagree.
+CHEAP_SETTINGS = ("mnist5k-20", "fedem-synthetic")
+#: The next cheapest, run only where those two would move a default: the main experiment's
+#: tau = 50, where a large client step size is most at risk.
+CONFIRM_SETTING = "mnist5k-k2"
 
 #: The federations, cheapest first. ``data`` marks those that read --data-dir.
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -112,7 +121,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     },
 }
 
-#: Client step sizes on a log grid; 0.05 is the library's default of methods without their own.
+#: The grids of the first sitting (pflego, fedavg, fedper over the six settings); every other
+#: algorithm's grid is made by ``default_grid`` from its defaults.
 CLIENT_LR = "client_lr=0.01,0.03,0.1,0.3,1.0"
 GRIDS: dict[str, list[str]] = {
     "pflego": [
@@ -121,26 +131,130 @@ GRIDS: dict[str, list[str]] = {
     ],
     "fedavg": [CLIENT_LR],
     "fedper": [CLIENT_LR],
-    "fedrep": ["client_lr=0.01,0.03,0.05,0.1,0.3,1.0"],
-    "fedprox": ["client_lr=0.01,0.03,0.05,0.1,0.3,1.0"],
-    "ditto": ["client_lr=0.01,0.03,0.05,0.1,0.3,1.0"],
-    "apfl": ["client_lr=0.01,0.03,0.05,0.1,0.3,1.0"],
 }
 
-
-#: The defaults before this study (every grid holds them), with the SGD server.
+#: PFLEGO's defaults before the first sitting changed them (the others' are read from the
+#: registry when an algorithm's first cell runs, and kept in study.json).
 OLD_DEFAULTS: dict[str, dict[str, Any]] = {
     "pflego": {"client_lr": 1.0, "server_optimizer": "sgd", "server_lr": 1.0},
-    "fedavg": {"client_lr": 0.3},
-    "fedper": {"client_lr": 0.3},
-    "fedrep": {"client_lr": 0.05},
-    "fedprox": {"client_lr": 0.05},
-    "ditto": {"client_lr": 0.05},
-    "apfl": {"client_lr": 0.05},
 }
 
+#: Step sizes of an algorithm's own besides ``client_lr`` (an option of its dataclass), tuned
+#: along with it. Ditto's personal steps and APFL's alpha steps take ``client_lr`` itself.
+SECOND_STEP: dict[str, str] = {
+    "apple": "dr_lr",
+    "fedala": "eta",
+    "fedas": "align_lr",
+    "perfedavg": "alpha",
+    "pfedhn": "hyper_lr",
+    "pfedme": "personal_lr",
+}
 
-def run_cell(algorithm: str, setting: str, args: argparse.Namespace) -> dict[str, Any]:
+#: Algorithms without a step size to choose: MOCHA's SDCA steps take none.
+NO_STEP_SIZE = ("mocha",)
+
+#: The study's order: results/leaderboard-mnist-offline/report.md's ranking, so that the
+#: methods most likely to be used finish first (registered methods missing here come last).
+LEADERBOARD = [
+    "fedbn",
+    "fedavg+",
+    "fedphp",
+    "knn-per",
+    "ditto",
+    "fedrod",
+    "pgfed",
+    "pgfedmo",
+    "fedper",
+    "pgfed-ce",
+    "apple",
+    "apfl",
+    "fedala",
+    "gpfl",
+    "pfedhn",
+    "fedbabu",
+    "fedpac",
+    "cfl",
+    "fedcac",
+    "fedrep",
+    "fedamp",
+    "fedas",
+    "mocha",
+    "fedavg",
+    "lg-fedavg",
+    "fedfomo",
+    "fedproto",
+    "local",
+    "fedcp",
+    "scaffold",
+    "feddyn",
+    "feddbe",
+    "pflego",
+    "d-fedem",
+    "fedprox",
+    "fednova",
+    "fedem",
+    "moon",
+    "fedrecon",
+    "fedlc",
+    "pfedme",
+    "perfedavg",
+]
+
+#: Step sizes 1 and 3 per decade, the ladder the grids are taken from.
+LADDER = [float(f"{m}e{e}") for e in range(-5, 2) for m in (1, 3)]
+
+
+def decimal(value: float) -> str:
+    """``0.0003``, ``1.0``: a value as YAML reads back as the same float (never ``1e-05``)."""
+    text = f"{value:.10f}".rstrip("0")
+    return text + "0" if text.endswith(".") else text
+
+
+def around(value: float, below: int, above: int) -> list[float]:
+    """``value`` with the ``below`` ladder points under it and the ``above`` points over it (each
+    at least 1.5 times away, so that 0.09's neighbours are 0.03 and 0.3, not 0.1)."""
+    under = [x for x in LADDER if x < value / 1.5][-below:] if below else []
+    over = [x for x in LADDER if x > value * 1.5][:above]
+    return [*under, value, *over]
+
+
+def current_default(algorithm: str) -> dict[str, Any]:
+    """The algorithm's default step sizes as the registry has them now."""
+    cls = ALGORITHMS[algorithm]
+    point: dict[str, Any] = {"client_lr": float(cls.default_client_lr)}
+    if algorithm in SECOND_STEP:
+        name = SECOND_STEP[algorithm]
+        point["options"] = {name: float(hyperparameters(cls)[name])}
+    return point
+
+
+def default_grid(algorithm: str) -> list[str]:
+    """A log grid of ``client_lr`` around the default (two ladder points each side); for an
+    algorithm with a second step size, a cross through the defaults: the ``client_lr`` points at
+    the second's default, and the second's ladder neighbours at the ``client_lr`` default."""
+    if algorithm in GRIDS:
+        return GRIDS[algorithm]
+    default = current_default(algorithm)
+    lr = default["client_lr"]
+    lrs = [x for x in around(lr, 2, 2) if x <= max(lr, 1.0)]  # SGD steps over 1 diverge
+    if algorithm not in SECOND_STEP:
+        return ["client_lr=" + ",".join(decimal(x) for x in lrs)]
+    name = SECOND_STEP[algorithm]
+    second = default["options"][name]
+    pairs = [(x, second) for x in lrs] + [(lr, y) for y in around(second, 1, 1) if y != second]
+    return [f"client_lr+options.{name}=" + ",".join(f"{decimal(a)}/{decimal(b)}" for a, b in pairs)]
+
+
+def joint_options_spelled_flat(grid: list[tuple[str, list[Any]]]) -> list[tuple[str, list[Any]]]:
+    """A joint dimension's values with their options spelled ``options.NAME``: parse_grid nests
+    them (``{"options": {...}}``), which the tuning's assignment would lay out as top-level
+    settings (``unknown setting 'dr_lr'``)."""
+    return [(key, [flatten(v) if "+" in key else v for v in values]) for key, values in grid]
+
+
+def run_cell(
+    algorithm: str, setting: str, grid: list[str], args: argparse.Namespace
+) -> dict[str, Any]:
     """Tune one algorithm in one setting (resuming); every point's numbers and the CPU seconds."""
     values = {**COMMON, "rounds": args.rounds, "algorithm": algorithm}
     values |= {k: v for k, v in SETTINGS[setting].items() if k != "data"}
@@ -149,7 +263,7 @@ def run_cell(algorithm: str, setting: str, args: argparse.Namespace) -> dict[str
     base = to_dict(load_config(values))
     tuning = Tuning(
         base,
-        parse_grid(GRIDS[algorithm]),
+        joint_options_spelled_flat(parse_grid(grid)),
         [0],
         args.runs / f"{algorithm}-{setting}",
         title=f"Tuning {algorithm} in the setting {setting} (benchmarks/defaults_study.py)",
@@ -158,9 +272,8 @@ def run_cell(algorithm: str, setting: str, args: argparse.Namespace) -> dict[str
     run_tuning(tuning, progress=False)
     spent = tuning.out / "cpu_seconds"  # accumulated over the sittings that trained this cell
     seconds = float(spent.read_text()) if spent.is_file() else 0.0
-    if not args.report_only:
-        seconds += time.process_time() - start
-        spent.write_text(f"{seconds:.1f}\n")
+    seconds += time.process_time() - start
+    spent.write_text(f"{seconds:.1f}\n")
     cell_results = args.results / f"{algorithm}-{setting}"
     cell_results.mkdir(parents=True, exist_ok=True)
     for name in ("tune.md", "chosen.yaml"):
@@ -204,6 +317,28 @@ def pct(value: float | None) -> str:
     return "diverged" if value is None else f"{100 * value:.2f}"
 
 
+def summary_table(study: dict[str, Any]) -> list[str]:
+    """One line per algorithm: its settings, the chosen point and the old default's regrets."""
+    lines = [
+        "## Summary",
+        "",
+        "| algorithm | settings | CPU s | chosen | worst regret | old default | worst regret |",
+        "|---|---|---:|---|---:|---|---:|",
+    ]
+    for algorithm, entry in study["algorithms"].items():
+        if "chosen" not in entry:
+            continue
+        done = [s for s, cell in entry["cells"].items() if cell.get("points")]
+        cpu = sum(entry["cells"][s]["cpu_seconds"] for s in done)
+        worst = entry["worst_regret"]
+        lines.append(
+            f"| {algorithm} | {', '.join(done)} | {cpu:.0f} | {entry['chosen']} | "
+            f"{100 * worst['chosen']:.2f}% | {entry['old default']} | "
+            f"{100 * worst['old default']:.2f}% |"
+        )
+    return [*lines, ""]
+
+
 def render(study: dict[str, Any]) -> str:
     """``report.md``: per algorithm the grid, each setting's best, the choice and the old default."""
     lines = [
@@ -223,9 +358,18 @@ def render(study: dict[str, Any]) -> str:
     for name, values in study["settings"].items():
         lines.append(f"- `{name}`: " + ", ".join(f"{k}={v}" for k, v in values.items()))
     lines.append("")
+    lines += summary_table(study)
     for algorithm, entry in study["algorithms"].items():
-        settings = list(entry["cells"])
+        settings = [s for s, cell in entry["cells"].items() if cell.get("points")]
         lines += [f"## {algorithm}", "", "Grid: " + "; ".join(f"`{g}`" for g in entry["grid"]), ""]
+        lines += [
+            f"- failed in {s}: {cell['error']}"
+            for s, cell in entry["cells"].items()
+            if "error" in cell
+        ]
+        if not settings:
+            lines += [f"- old default: **{entry['old default']}**", ""]
+            continue
         picks = {name: entry[name] for name in entry["worst_regret"]}
         lines += [
             f"- {name}: **{label}**, worst regret {100 * entry['worst_regret'][name]:.2f}%"
@@ -243,6 +387,8 @@ def render(study: dict[str, Any]) -> str:
             best = min(reg, key=reg.get)
             values = " | ".join(
                 f"{pct(cell['points'][label]['val_acc'])} | {100 * reg[label]:.2f}%"
+                if label in reg
+                else "not in grid | 100.00%"
                 for label in picks.values()
             )
             lines.append(
@@ -264,59 +410,111 @@ def render(study: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def summarize(entry: dict[str, Any]) -> None:
+    """Fill an algorithm's entry of study.json: each setting's regrets and the picks."""
+    cells = {s: c for s, c in entry["cells"].items() if c.get("points")}
+    table = {setting: regrets(cell["points"]) for setting, cell in cells.items()}
+    entry["regret"] = table
+    if not table:
+        return
+    labels = list(next(iter(table.values())))
+    picks = {"chosen": choose(table, labels)}
+    sgd = [label for label in labels if "server_optimizer=sgd" in label]
+    if sgd:  # the library's default server optimizer is SGD for every method
+        picks["chosen among SGD servers"] = choose(table, sgd)
+    picks["old default"] = entry["old default"]
+    entry.update(picks)
+    entry["worst_regret"] = {
+        name: max(table[s].get(label, 1.0) for s in table) for name, label in picks.items()
+    }
+
+
+def write(study: dict[str, Any], results: Path) -> None:
+    """study.json and report.md, each replaced whole (a killed sitting leaves them readable)."""
+    results.mkdir(parents=True, exist_ok=True)
+    for name, text in (
+        ("study.json", json.dumps(study, indent=1) + "\n"),
+        ("report.md", render(study)),
+    ):
+        partial = results / f".{name}.partial"
+        partial.write_text(text)
+        partial.replace(results / name)
+
+
+def algorithms_in_order() -> list[str]:
+    """Every registered algorithm with a step size, in the leaderboard's order."""
+    known = [name for name in LEADERBOARD if name in ALGORITHMS]
+    rest = sorted(set(ALGORITHMS) - set(known))
+    return [name for name in known + rest if name not in NO_STEP_SIZE]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--algorithms", default=",".join(GRIDS))
-    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--algorithms", default="all", help="comma-separated, or all (default)")
+    parser.add_argument("--settings", default=",".join(CHEAP_SETTINGS))
+    parser.add_argument(
+        "--confirm",
+        default=CONFIRM_SETTING,
+        help="a setting run only for the algorithms whose choice differs from their default",
+    )
     parser.add_argument("--rounds", type=int, default=COMMON["rounds"])
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--runs", type=Path, default=Path("runs/defaults"))
     parser.add_argument("--results", type=Path, default=Path("results/defaults"))
-    parser.add_argument("--left-out", action="append", default=[], help="a line for the report")
-    parser.add_argument("--finding", action="append", default=[], help="a line for the report")
+    parser.add_argument("--left-out", action="append", default=None, help="a line for the report")
+    parser.add_argument("--finding", action="append", default=None, help="a line for the report")
     parser.add_argument(
         "--report-only",
         action="store_true",
-        help="train nothing new: report the cells whose grids a sitting has run",
+        help="train nothing: rewrite report.md from study.json",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    settings = args.settings.split(",")
-    study: dict[str, Any] = {
-        "rounds": args.rounds,
-        "settings": {s: {k: v for k, v in SETTINGS[s].items() if k != "data"} for s in settings},
-        "algorithms": {},
-        "left_out": args.left_out,
-        "findings": args.finding,
-    }
-    for algorithm in args.algorithms.split(","):
-        cells = {}
-        for setting in settings:
-            if args.report_only and not (args.runs / f"{algorithm}-{setting}/tune.md").is_file():
-                continue
-            cells[setting] = run_cell(algorithm, setting, args)
-            print(f"{algorithm} {setting}: {cells[setting]['cpu_seconds']} CPU s", flush=True)
-        if not cells:
-            continue
-        table = {setting: regrets(cell["points"]) for setting, cell in cells.items()}
-        labels = list(next(iter(table.values())))
-        picks = {"chosen": choose(table, labels)}
-        sgd = [label for label in labels if "server_optimizer=sgd" in label]
-        if sgd:  # the library's default server optimizer is SGD for every method
-            picks["chosen among SGD servers"] = choose(table, sgd)
-        picks["old default"] = point_label(OLD_DEFAULTS[algorithm])
-        study["algorithms"][algorithm] = {
-            "grid": GRIDS[algorithm],
-            **{name: label for name, label in picks.items()},
-            "worst_regret": {
-                name: max(table[s][label] for s in table) for name, label in picks.items()
-            },
-            "regret": table,
-            "cells": cells,
-        }
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "study.json").write_text(json.dumps(study, indent=1) + "\n")
-    (args.results / "report.md").write_text(render(study))
+    path = args.results / "study.json"
+    study: dict[str, Any] = (
+        json.loads(path.read_text())
+        if path.is_file()
+        else {"rounds": args.rounds, "settings": {}, "algorithms": {}}
+    )
+    if study["rounds"] != args.rounds:
+        raise SystemExit(
+            f"{path} holds {study['rounds']}-round cells; give --rounds {study['rounds']}"
+        )
+    study["left_out"] = args.left_out if args.left_out is not None else study.get("left_out", [])
+    study["findings"] = args.finding if args.finding is not None else study.get("findings", [])
+    names = algorithms_in_order() if args.algorithms == "all" else args.algorithms.split(",")
+    settings = [] if args.report_only else args.settings.split(",")
+    for algorithm in names:
+        entry = study["algorithms"].get(algorithm)
+        for setting in [*settings, *([args.confirm] if args.confirm and settings else [])]:
+            if setting == args.confirm and (
+                entry is None or entry.get("chosen", entry["old default"]) == entry["old default"]
+            ):
+                continue  # the default stays: no third setting needed to confirm a change
+            if entry is not None and "points" in entry["cells"].get(setting, {}):
+                continue  # finished in an earlier sitting (a failed cell is tried again)
+            if entry is None:
+                old = OLD_DEFAULTS.get(algorithm) or current_default(algorithm)
+                entry = {
+                    "grid": default_grid(algorithm),
+                    "old default": point_label(old),
+                    "cells": {},
+                }
+                study["algorithms"][algorithm] = entry
+            study["settings"][setting] = {k: v for k, v in SETTINGS[setting].items() if k != "data"}
+            try:
+                cell = run_cell(algorithm, setting, entry["grid"], args)
+            except Exception as error:  # noqa: BLE001 - one method's failure must not stop the rest
+                cell = {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
+            entry["cells"][setting] = cell
+            summarize(entry)
+            write(study, args.results)
+            print(
+                f"{algorithm} {setting}: {cell.get('cpu_seconds', cell.get('error'))}", flush=True
+            )
+    for entry in study["algorithms"].values():
+        summarize(entry)
+    write(study, args.results)
     print(f"wrote {args.results / 'report.md'}")
 
 

@@ -105,6 +105,9 @@ class APFL(Algorithm):
     alpha_update: str = "step"
 
     shared: ClassVar[tuple[str, ...]] = ("body", "head")
+    # eta of the models' and of alpha's steps: the least worst-case regret over three federations
+    # of benchmarks/defaults_study.py (docs/defaults.md); 0.05 was 12% below the best
+    default_client_lr: ClassVar[float] = 0.3
 
     def __post_init__(self) -> None:
         if not 0 <= self.alpha <= 1:

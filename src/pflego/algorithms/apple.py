@@ -78,6 +78,9 @@ class APPLE(Algorithm):
     personal: ClassVar[tuple[str, ...]] = ("body", "head")
     per_client_downlink: ClassVar[bool] = True
     sum_aggregate: ClassVar[bool] = False
+    # the core models' step size: the least worst-case regret over three federations of
+    # benchmarks/defaults_study.py (docs/defaults.md); at 0.05 its 20 rounds barely started
+    default_client_lr: ClassVar[float] = 0.3
 
     def __post_init__(self) -> None:
         if self.scheduler not in ("exponential", "cosine"):

@@ -47,7 +47,7 @@ class Algorithm:
     label_space: ClassVar[str] = "global"
     #: Step sizes used when the config leaves ``client_lr`` / ``server_lr`` unset (with the default
     #: SGD optimizers), so ``pflego run`` and ``pflego compare`` agree; presets may override them.
-    #: PFLEGO's, FedAvg's and FedPer's were chosen across settings (docs/defaults.md).
+    #: Chosen across settings by benchmarks/defaults_study.py (docs/defaults.md).
     default_client_lr: ClassVar[float] = 0.05
     default_server_lr: ClassVar[float] = 1.0
     #: False for an algorithm whose ``client_update`` cannot run under ``torch.func.vmap``; the

@@ -45,6 +45,9 @@ class Ditto(Algorithm):
     personal_epochs: float | None = None
 
     personal: ClassVar[tuple[str, ...]] = ("body", "head")
+    # eta of both the global and the personal steps: the least worst-case regret over three
+    # federations of benchmarks/defaults_study.py (docs/defaults.md); 0.05 was 15% below the best
+    default_client_lr: ClassVar[float] = 0.3
 
     def __post_init__(self) -> None:
         check_positive(personal_steps=self.personal_steps, personal_epochs=self.personal_epochs)
