@@ -34,7 +34,7 @@ from pflego.algorithms import ALGORITHMS
 from pflego.algorithms.base import hyperparameters
 from pflego.config import load_config, to_dict
 from pflego.experiments import measures as M
-from pflego.experiments.presets import ALL, flatten, point_label
+from pflego.experiments.presets import ALL, point_label
 from pflego.experiments.tune import Tuning, parse_grid, run_tuning, score_points
 from pflego.history import History
 
@@ -245,13 +245,6 @@ def default_grid(algorithm: str) -> list[str]:
     return [f"client_lr+options.{name}=" + ",".join(f"{decimal(a)}/{decimal(b)}" for a, b in pairs)]
 
 
-def joint_options_spelled_flat(grid: list[tuple[str, list[Any]]]) -> list[tuple[str, list[Any]]]:
-    """A joint dimension's values with their options spelled ``options.NAME``: parse_grid nests
-    them (``{"options": {...}}``), which the tuning's assignment would lay out as top-level
-    settings (``unknown setting 'dr_lr'``)."""
-    return [(key, [flatten(v) if "+" in key else v for v in values]) for key, values in grid]
-
-
 def run_cell(
     algorithm: str, setting: str, grid: list[str], args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -263,7 +256,7 @@ def run_cell(
     base = to_dict(load_config(values))
     tuning = Tuning(
         base,
-        joint_options_spelled_flat(parse_grid(grid)),
+        parse_grid(grid),
         [0],
         args.runs / f"{algorithm}-{setting}",
         title=f"Tuning {algorithm} in the setting {setting} (benchmarks/defaults_study.py)",

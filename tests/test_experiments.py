@@ -22,6 +22,7 @@ from pflego.errors import ConfigError, DataError
 from pflego.experiments import measures as M
 from pflego.experiments import report_figures
 from pflego.experiments.report import build_report
+from pflego.experiments.presets import grid_points, point_label
 from pflego.experiments.reproduce import reproduce
 from pflego.experiments.runs import read_manifest
 from pflego.experiments.seeds import parse_seeds
@@ -159,6 +160,13 @@ def test_tuning_never_reads_test_metrics(tmp_path):
     assert "client_lr" in yaml.safe_load((tmp_path / "tiny-split" / "chosen.yaml").read_text())
     at_edge = clean[0]["values"]["client_lr"] in (0.003, 1.0)
     assert bool(clean[0]["edges"]) == at_edge == ("Note: client_lr=" in clean[1])
+
+
+def test_a_joint_grid_dimension_keeps_algorithm_options_nested():
+    grid = parse_grid(["client_lr+options.mu=0.1/0.01,1.0/0.1", "options.lam=2"])
+    points = grid_points(grid)
+    assert points[0] == {"client_lr": 0.1, "options": {"mu": 0.01, "lam": 2}}
+    assert point_label(points[1]) == "client_lr=1.0, options.mu=0.1, options.lam=2"
 
 
 def test_a_choice_at_the_edge_of_a_numeric_grid_is_noted():
