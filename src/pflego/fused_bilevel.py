@@ -76,7 +76,9 @@ def fused_program(
         The points after the substeps (new tensors) and each substep's cross-entropy at its
         point ``at`` on its minibatch, before its update.
     """
-    if not isinstance(loss, ModelLoss) or loss.anchor is not None or loss.linear is not None:
+    if not isinstance(loss, ModelLoss) or any(
+        term is not None for term in (loss.anchor, loss.linear, loss.centroids)
+    ):
         return None
     plan = plain_plan(loss, dict(points[0]), data)
     if plan is None or any(set(p) != set(points[0]) for p in points):
@@ -171,6 +173,7 @@ def _program(
     ``feed[j]`` and :func:`~pflego.fused_passes.backward_pass` into point ``into[j]``. Returns
     each substep's log-probabilities ``[K, B]``."""
     log_probs: list[Tensor] = []
+    no_feature_grad = ones[:0]
     for j in range(len(at)):
         for m in range(len(mix_dst[j])):
             dst, start, weight = flats[mix_dst[j][m]], flats[mix_start[j][m]], mix_weight[j][m]
@@ -186,7 +189,7 @@ def _program(
         log_probs.append(log_p)
         backward_pass(
             kinds, settings, weights[p], biases[p], weights[q], biases[q], flags, saved, indices,
-            shapes, a_, grad_t, inputs_t[r] if first >= 0 else a_, first, ones, lrs[j],
-            shrinks[j], lowest,
+            shapes, a_, grad_t, no_feature_grad, inputs_t[r] if first >= 0 else a_, first, ones,
+            lrs[j], shrinks[j], lowest,
         )  # fmt: skip
     return log_probs

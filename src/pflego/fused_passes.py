@@ -98,6 +98,7 @@ def backward_pass(
     shapes: list[list[int]],
     a: Tensor,
     grad_t: Tensor,
+    feature_grad: Tensor,
     input_t: Tensor,
     first: int,
     ones: Tensor,
@@ -108,11 +109,15 @@ def backward_pass(
     """One step's backward pass from :func:`forward_pass`'s results: the
     gradient taken at ``params`` / ``biases`` updates ``targets`` / ``target_biases`` in place,
     ``t <- shrink t - lr g`` (the same lists for a plain SGD step; another point's for a step
-    whose gradient is taken elsewhere). ``input_t``: the transposed input of layer ``first``."""
+    whose gradient is taken elsewhere). ``feature_grad``: the gradient of the loss's other terms
+    in the head's input ``a`` (empty: none), added to the head's. ``input_t``: the transposed
+    input of layer ``first``."""
     head = len(kinds) - 1
     grad = grad_t
     if head > lowest:
         grad = torch.mm(grad_t.t(), params[head])  # before this step's update
+        if feature_grad.numel() > 0:
+            grad.add_(feature_grad)
     if flags[head][1]:
         targets[head].addmm_(grad_t, a, beta=shrink, alpha=-lr)
     if flags[head][2]:
