@@ -1,5 +1,5 @@
-"""The feature-alignment term of a ModelLoss (FedPAC's, FedProto's) equals its definition, runs as
-fused steps equal to autograd's, and makes FedPAC's and FedProto's local steps fuse."""
+"""The feature-alignment term of a ModelLoss (FedPAC's, FedProto's, FedAS's) equals its definition,
+runs as fused steps equal to autograd's, and makes those methods' local steps fuse."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_fused import both, client, setting
 
+from pflego.algorithms.fedas import FedAS
 from pflego.algorithms.fedpac import FedPAC
 from pflego.algorithms.fedproto import FedProto
 from pflego.local import fused_steps
@@ -45,6 +46,53 @@ def test_the_alignment_term_is_its_definition():
     torch.testing.assert_close(
         aligned(params, x, y, mask) - plain(params, x, y, mask), by_hand, rtol=1e-12, atol=1e-12
     )
+
+
+def test_class_means_sum_each_classes_mean_without_cross_entropy():
+    """FedAS's term by hand: for each class in the minibatch, the mean over its real rows."""
+    model, params, x, y = setting("mlp")
+    centroids, weights = centroids_for(model)
+    mask = torch.ones(len(y), dtype=torch.float64)
+    mask[[2, 7]] = 0
+    loss = ModelLoss(
+        model,
+        torch.ones(3, dtype=torch.float64),
+        centroids=centroids,
+        centroid_weights=weights,
+        class_means=True,
+        cross_entropy=False,
+    )
+    features = model.features(params, x)
+    by_hand = 0.0
+    for c in range(3):
+        rows = [s for s in range(len(y)) if y[s] == c and mask[s] > 0]
+        gaps = [weights[c] * ((features[s] - centroids[c]) ** 2).sum() for s in rows]
+        by_hand = by_hand + (sum(gaps) / len(rows) if rows else 0.0)
+    torch.testing.assert_close(loss(params, x, y, mask), by_hand, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv"])
+@pytest.mark.parametrize("batch_size", [4, None])
+def test_headless_class_mean_steps_fused_equal_autograd(name, batch_size):
+    """FedAS's alignment: the body alone, no cross-entropy, each class's rows averaged."""
+    model, params, x, y = setting(name)
+    body = {k: v for k, v in params.items() if k.startswith("body.")}
+    centroids, weights = centroids_for(model)
+    data = client(x, y, batch_size, 2.0)
+    loss = ModelLoss(
+        model,
+        data.label_mask,
+        centroids=centroids,
+        centroid_weights=weights,
+        class_means=True,
+        cross_entropy=False,
+    )
+    (ref, _, ref_loss), (out, _, out_loss), counts = both(loss, body, data, SGD())
+    assert (counts.fused, counts.autograd) == (1, 0)
+    for k in ref:
+        torch.testing.assert_close(out[k], ref[k], atol=1e-10, rtol=1e-9, msg=k)
+    torch.testing.assert_close(out_loss, ref_loss, atol=1e-10, rtol=1e-9)
+    assert any(not torch.equal(out[k], body[k]) for k in body)
 
 
 @pytest.mark.parametrize("name", ["mlp", "conv"])
@@ -136,3 +184,19 @@ def test_fedproto_local_steps_fuse_and_equal_autograd(name):
     algorithm = FedProto(model=model, lam=0.7)
     state = algorithm.init_client(params, None, CTX)
     assert_fused_equal_autograd(algorithm, params | protos, state, data)
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv"])
+def test_fedas_local_steps_fuse_and_equal_autograd(name):
+    """A revisiting client: its own body (the prototypes' source) differs from the received one."""
+    model, params, _, data = prototype_client(name)
+    data = data._replace(
+        schedules={
+            "align": (data.batches, data.batch_mask),
+            "fisher": (data.batches, data.batch_mask),
+        }
+    )
+    algorithm = FedAS(model=model, align_lr=0.3)
+    state = algorithm.init_client(params, torch.Generator().manual_seed(1), CTX)
+    _, state = algorithm.client_update(params, state, data, CTX)
+    assert_fused_equal_autograd(algorithm, params, state, data)

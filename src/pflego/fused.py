@@ -41,11 +41,13 @@ HEAD = (Layer("linear", "head"),)
 
 
 def layer_plan(loss: ModelLoss) -> tuple[Layer, ...] | None:
-    """The model's plain layers in forward order with its head, or ``None`` if it has others."""
+    """The model's plain layers in forward order with its head (unless the loss has no
+    cross-entropy), or ``None`` if it has others."""
+    head = HEAD if loss.cross_entropy else ()
     if loss.model is None:
-        return HEAD
+        return head
     body = loss.model.layers
-    return None if body is None else body + HEAD
+    return None if body is None else body + head
 
 
 def _plain(tensors: Sequence[Tensor]) -> bool:
@@ -125,7 +127,7 @@ def plain_plan(loss: ModelLoss, params: Params, data: ClientData) -> tuple[Layer
         or not _plain([] if loss.sample_weights is None else [loss.sample_weights])
         or not _plain([] if loss.centroids is None else [loss.centroids, loss.centroid_weights])
         or not _fits(plan, data.x.shape[1:])
-        or "head.weight" not in full
+        or ("head.weight" not in full and loss.cross_entropy)
     ):
         return None
     return plan
@@ -225,6 +227,7 @@ def _run(
     moves = [(done + j + 1) % every == 0 for j in range(len(real))] if every > 0 else []
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
         log_probs, distances, dots, alignments = compiled(_steps)(
+            loss.cross_entropy,
             [layer.kind for layer in plan],
             [_settings(layer) for layer in plan],
             [full.get(layer.weight, empty) for layer in plan],
@@ -254,7 +257,9 @@ def _run(
             1 - lr * (strength + weight_decay),
             min(i for i, layer in enumerate(plan) if set(_keys(layer, params))),
         )
-    values = -(torch.stack(log_probs) * target).sum((1, 2))  # each step's cross-entropy
+    values = torch.zeros(len(real), dtype=target.dtype)
+    if loss.cross_entropy:
+        values = -(torch.stack(log_probs) * target).sum((1, 2))  # each step's cross-entropy
     if distances:
         values = values + strength / 2 * torch.stack(distances)
     if dots:
@@ -286,7 +291,8 @@ def step_inputs(
     gathered once: each step's input, the transposed input of the linear layer ``first`` that
     reads it (-1: none), ``onehot(y)^T * mask / n`` ``[S, K, B]`` and ``mask / n`` ``[S, B]``
     (times the samples' weights when the loss has them); with the loss's centroids, each row's
-    centroid ``[S, B, M]`` and ``2 centroid_weights[y] mask / n`` ``[S, B, 1]`` (else empty)."""
+    centroid ``[S, B, M]`` and ``2 centroid_weights[y] mask / n`` ``[S, B, 1]`` (else empty;
+    with ``class_means``, ``n`` is the number of the row's class in its minibatch)."""
     plain_weights = batch_mask / batch_mask.sum(1, keepdim=True).clamp(min=1)  # [S, B]: mask / n_s
     weights = plain_weights
     if loss.sample_weights is not None:  # [S, B]: w_idx * mask / n_s
@@ -310,6 +316,10 @@ def step_inputs(
     centroid_targets = centroid_rows = weights.new_empty((len(batches), 0))
     if loss.centroids is not None:
         centroid_targets = loss.centroids[labels]  # [S, B, M]
+        if loss.class_means:  # [S, B]: mask / (rows of the row's class in its minibatch)
+            classes = torch.arange(len(loss.centroids), device=labels.device)
+            rows = ((labels[..., None] == classes) * batch_mask[..., None]).sum(1).clamp(min=1)
+            plain_weights = batch_mask / rows.gather(1, labels)
         centroid_rows = (2 * loss.centroid_weights[labels] * plain_weights).unsqueeze(2)
     return StepInputs(inputs, inputs_t, first, target, weights, centroid_targets, centroid_rows)
 
@@ -372,6 +382,7 @@ def _settings(layer: Layer) -> list[int]:
 
 
 def _steps(
+    has_head: bool,
     kinds: list[str],
     settings: list[list[int]],
     weights: list[Tensor],
@@ -404,7 +415,8 @@ def _steps(
     """SGD steps of a plain-layer model whose last layer is a linear head, updating ``weights``
     and ``biases`` in place.
 
-    TorchScript-compatible. Per layer ``i``: ``kinds[i]``, integer ``settings[i]``,
+    TorchScript-compatible. Without ``has_head``, the last layer is the body's and the loss has
+    no cross-entropy. Per layer ``i``: ``kinds[i]``, integer ``settings[i]``,
     ``weights[i]`` / ``biases[i]`` (empty when absent; linear body layers' weights transposed,
     ``W^T``, contiguous) and ``flags[i] = [has bias, weight trained, bias trained]``. The trained
     tensors are views of ``flat``; ``anchor`` and ``linear`` (empty when absent) are the
@@ -438,8 +450,8 @@ def _steps(
         if linear.numel() > 0:
             dots.append(torch.dot(linear, flat))
         a, log_p, grad_t, saved, indices, shapes = forward_pass(
-            kinds, settings, params, biases, flags, inputs[s], negative_target[s], weight_rows[s],
-            label_mask, masked, lowest_logit,
+            has_head, kinds, settings, params, biases, flags, inputs[s], negative_target[s],
+            weight_rows[s], label_mask, masked, lowest_logit,
         )  # fmt: skip
         log_probs.append(log_p)
         feature_grad = centroid_rows[s]  # empty without an alignment term
@@ -448,7 +460,8 @@ def _steps(
             feature_grad = gap * feature_grad
             alignments.append(torch.dot(gap.flatten(), feature_grad.flatten()))
         backward_pass(
-            kinds, settings, params, biases, params, biases, flags, saved, indices, shapes, a,
+            has_head, kinds, settings, params, biases, params, biases, flags, saved, indices,
+            shapes, a,
             grad_t, feature_grad, inputs_t[s] if first >= 0 else a, first, ones, lr, shrink,
             lowest,
         )  # fmt: skip

@@ -76,8 +76,10 @@ def fused_program(
         The points after the substeps (new tensors) and each substep's cross-entropy at its
         point ``at`` on its minibatch, before its update.
     """
-    if not isinstance(loss, ModelLoss) or any(
-        term is not None for term in (loss.anchor, loss.linear, loss.centroids)
+    if (
+        not isinstance(loss, ModelLoss)
+        or not loss.cross_entropy
+        or any(term is not None for term in (loss.anchor, loss.linear, loss.centroids))
     ):
         return None
     plan = plain_plan(loss, dict(points[0]), data)
@@ -183,13 +185,13 @@ def _program(
                 torch.lerp(start, flats[mix_end[j][m]], weight, out=dst)
         r, p, q = feed[j], at[j], into[j]
         a_, log_p, grad_t, saved, indices, shapes = forward_pass(
-            kinds, settings, weights[p], biases[p], flags, inputs[r], negative_target[r],
+            True, kinds, settings, weights[p], biases[p], flags, inputs[r], negative_target[r],
             weight_rows[r], label_mask, masked, lowest_logit,
         )  # fmt: skip
         log_probs.append(log_p)
         backward_pass(
-            kinds, settings, weights[p], biases[p], weights[q], biases[q], flags, saved, indices,
-            shapes, a_, grad_t, no_feature_grad, inputs_t[r] if first >= 0 else a_, first, ones,
-            lrs[j], shrinks[j], lowest,
+            True, kinds, settings, weights[p], biases[p], weights[q], biases[q], flags, saved,
+            indices, shapes, a_, grad_t, no_feature_grad, inputs_t[r] if first >= 0 else a_,
+            first, ones, lrs[j], shrinks[j], lowest,
         )  # fmt: skip
     return log_probs

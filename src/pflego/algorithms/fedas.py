@@ -62,7 +62,7 @@ from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
 from pflego.local import train_steps
-from pflego.loss import masked_cross_entropy
+from pflego.loss import ModelLoss, masked_cross_entropy
 from pflego.optim import SGD
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext, Schedule
@@ -126,17 +126,18 @@ class FedAS(Algorithm):
         onehot = self.one_hot(data.y, features.dtype) * data.mask[:, None]
         return (onehot.T @ features) / onehot.sum(0).clamp(min=1)[:, None]
 
-    def alignment_loss(self, prototypes: Tensor):
-        """sum over the batch's classes of MSE(phi(x_{y=c}), P_c)."""
-
-        def loss(body: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
-            f = self.model.features(body, x)
-            onehot = self.one_hot(y, f.dtype) * mask[:, None]
-            inverse_counts = 1 / onehot.sum(0).clamp(min=1)
-            per_sample = ((f - prototypes[y]) ** 2).mean(-1)
-            return (per_sample * (onehot @ inverse_counts)).sum()
-
-        return loss
+    def alignment_loss(self, prototypes: Tensor, label_mask: Tensor) -> ModelLoss:
+        """sum over the batch's classes of MSE(phi(x_{y=c}), P_c) (the mean over the class's
+        rows and the M features), declared so that its SGD steps may run fused."""
+        weights = prototypes.new_full((len(prototypes),), 1 / prototypes.shape[-1])
+        return ModelLoss(
+            self.model,
+            label_mask,
+            centroids=prototypes,
+            centroid_weights=weights,
+            class_means=True,
+            cross_entropy=False,
+        )
 
     def fisher_trace(self, params: Params, data: ClientData) -> Tensor:
         """sum over the batches of ||grad mean-NLL(batch)||^2, all parameters."""
@@ -151,7 +152,8 @@ class FedAS(Algorithm):
         """Alignment of phi^t, then the cross-entropy steps; returns theta_i and the mean loss."""
         received = tree.select(downlink, ["body"])
         align = data.using("align")
-        loss = self.alignment_loss(self.prototypes(self.own_body(downlink, state), data))
+        prototypes = self.prototypes(self.own_body(downlink, state), data)
+        loss = self.alignment_loss(prototypes, data.label_mask)
         sgd = SGD()
         aligned, _, _ = train_steps(loss, received, align, sgd, sgd.init(received), self.align_lr)
         params = {**aligned, **tree.select(state, ["head"])}
