@@ -168,7 +168,9 @@ def assert_fused_equal_autograd(algorithm, downlink, state, data) -> None:
         assert got.keys() == expected.keys()
         for k in expected:
             torch.testing.assert_close(got[k], expected[k], atol=1e-10, rtol=1e-9, msg=k)
-    torch.testing.assert_close(out.metrics["loss"], ref_out.metrics["loss"], atol=1e-10, rtol=1e-9)
+    for k in ref_out.metrics:
+        torch.testing.assert_close(out.metrics[k], ref_out.metrics[k], atol=1e-10, rtol=1e-9)
+    torch.testing.assert_close(out.weight, ref_out.weight, atol=1e-10, rtol=1e-9)
 
 
 @pytest.mark.parametrize("name", ["mlp", "conv"])
@@ -188,7 +190,8 @@ def test_fedproto_local_steps_fuse_and_equal_autograd(name):
 
 @pytest.mark.parametrize("name", ["mlp", "conv"])
 def test_fedas_local_steps_fuse_and_equal_autograd(name):
-    """A revisiting client: its own body (the prototypes' source) differs from the received one."""
+    """A revisiting client (its own body, the prototypes' source, differs from the received
+    one); the Fisher trace, its aggregation weight, by fused gradients too."""
     model, params, _, data = prototype_client(name)
     data = data._replace(
         schedules={

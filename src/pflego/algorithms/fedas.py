@@ -61,7 +61,8 @@ from torch.func import grad
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
-from pflego.local import train_steps
+from pflego.fused_bilevel import Substep, fused_program, real_rows
+from pflego.local import fused_or_none, train_steps
 from pflego.loss import ModelLoss, masked_cross_entropy
 from pflego.optim import SGD
 from pflego.tree import Params
@@ -140,13 +141,31 @@ class FedAS(Algorithm):
         )
 
     def fisher_trace(self, params: Params, data: ClientData) -> Tensor:
-        """sum over the batches of ||grad mean-NLL(batch)||^2, all parameters."""
+        """sum over the batches of ||grad mean-NLL(batch)||^2, all parameters (inside
+        :func:`~pflego.local.fused_steps`, the batches' gradients as one fused program)."""
+        fused = fused_or_none(lambda: self.fused_fisher_trace(params, data))
+        if fused is not None:
+            return fused
         nll = lambda p, x, y, m: masked_cross_entropy(self.model.forward(p, x), y, m)  # noqa: E731
         total = torch.zeros((), dtype=next(iter(params.values())).dtype)
         for idx, bmask in zip(data.batches, data.batch_mask, strict=True):
             g = grad(nll)(params, data.x[idx], data.y[idx], bmask)
             total = total + torch.where(bmask.sum() > 0, tree.sq_norm(g), 0.0)
         return total
+
+    def fused_fisher_trace(self, params: Params, data: ClientData) -> Tensor | None:
+        """:meth:`fisher_trace` by fused substeps, each writing one real batch's gradient into a
+        point of its own (``g <- 0 g - (-1) grad``), or ``None`` where they do not fuse."""
+        rows = real_rows(data)
+        if not rows:
+            return None
+        every_logit = torch.ones_like(params["head.bias"])  # the NLL of the whole head
+        substeps = [Substep(0, j + 1, -1.0, 0.0, row) for j, row in enumerate(rows)]
+        points = [params] + [tree.zeros_like(params)] * len(rows)
+        fused = fused_program(ModelLoss(self.model, every_logit), points, data, substeps)
+        if fused is None:
+            return None
+        return torch.stack([tree.sq_norm(g) for g in fused[0][1:]]).sum()
 
     def local_round(self, downlink, state, data: ClientData, ctx: RoundContext):
         """Alignment of phi^t, then the cross-entropy steps; returns theta_i and the mean loss."""
