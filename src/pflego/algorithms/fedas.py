@@ -154,18 +154,18 @@ class FedAS(Algorithm):
         return total
 
     def fused_fisher_trace(self, params: Params, data: ClientData) -> Tensor | None:
-        """:meth:`fisher_trace` by fused substeps, each writing one real batch's gradient into a
-        point of its own (``g <- 0 g - (-1) grad``), or ``None`` where they do not fuse."""
+        """:meth:`fisher_trace` by fused substeps, each writing one real batch's gradient into
+        the same second point (``g <- 0 g - (-1) grad``) and recording its squared norm, or
+        ``None`` where they do not fuse."""
         rows = real_rows(data)
         if not rows:
             return None
-        every_logit = torch.ones_like(params["head.bias"])  # the NLL of the whole head
-        substeps = [Substep(0, j + 1, -1.0, 0.0, row) for j, row in enumerate(rows)]
-        points = [params] + [tree.zeros_like(params)] * len(rows)
+        head = params["head.weight"]
+        every_logit = head.new_ones(head.shape[0])  # the NLL of the whole head
+        substeps = [Substep(0, 1, -1.0, 0.0, row, record=True) for row in rows]
+        points = [params, tree.zeros_like(params)]
         fused = fused_program(ModelLoss(self.model, every_logit), points, data, substeps)
-        if fused is None:
-            return None
-        return torch.stack([tree.sq_norm(g) for g in fused[0][1:]]).sum()
+        return None if fused is None else torch.stack(fused.norms).sum()
 
     def local_round(self, downlink, state, data: ClientData, ctx: RoundContext):
         """Alignment of phi^t, then the cross-entropy steps; returns theta_i and the mean loss."""
