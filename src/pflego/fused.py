@@ -44,11 +44,13 @@ HEAD = (Layer("linear", "head"),)
 
 
 def layer_plan(loss: ModelLoss) -> tuple[Layer, ...] | None:
-    """The model's plain layers in forward order with its head, or ``None`` if it has others."""
+    """The model's plain layers in forward order with its head (unless the loss has no
+    cross-entropy), or ``None`` if it has others."""
+    head = HEAD if loss.cross_entropy else ()
     if loss.model is None:
-        return HEAD
+        return head
     body = loss.model.layers
-    return None if body is None else body + HEAD
+    return None if body is None else body + head
 
 
 def _plain(tensors: Sequence[Tensor]) -> bool:
@@ -79,8 +81,8 @@ def fused_sgd_steps(
         (else ``None``).
     """
     opt_state = {} if opt_state is None else opt_state
-    if not isinstance(loss, ModelLoss):
-        return None
+    if not isinstance(loss, ModelLoss) or (loss.centroids is not None and loss.model is None):
+        return None  # (aligning a bare head's input features: autograd)
     prox = _moreau(loss, optimizer)
     if prox is not None:  # the optimizer's proximal term: as the loss's, but left out of its value
         anchor = prox.current_anchor(opt_state)
@@ -126,8 +128,9 @@ def plain_plan(loss: ModelLoss, params: Params, data: ClientData) -> tuple[Layer
         or not params
         or not _plain([*full.values(), data.x, data.batches, data.batch_mask])
         or not _plain([] if loss.sample_weights is None else [loss.sample_weights])
+        or not _plain([] if loss.centroids is None else [loss.centroids, loss.centroid_weights])
         or not _fits(plan, data.x.shape[1:])
-        or "head.weight" not in full
+        or ("head.weight" not in full and loss.cross_entropy)
     ):
         return None
     return plan
@@ -226,7 +229,8 @@ def _run(
     # the real steps after which it moves: every ``every``-th counted from the state's count
     moves = [(done + j + 1) % every == 0 for j in range(len(real))] if every > 0 else []
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
-        log_probs, distances, dots = compiled(_steps)(
+        log_probs, distances, dots, alignments = compiled(_steps)(
+            loss.cross_entropy,
             [layer.kind for layer in plan],
             [_settings(layer) for layer in plan],
             [full.get(layer.weight, empty) for layer in plan],
@@ -246,6 +250,8 @@ def _run(
             first,
             list((-target).unbind(0)),
             list(weights.unsqueeze(1).unbind(0)),
+            list(feed.centroid_targets.unbind(0)),
+            list(feed.centroid_rows.unbind(0)),
             weights.new_ones(weights.shape[1]),
             label_mask.unsqueeze(1),
             not bool(label_mask.all()),
@@ -254,11 +260,15 @@ def _run(
             1 - lr * (strength + weight_decay),
             min(i for i, layer in enumerate(plan) if set(_keys(layer, params))),
         )
-    values = -(torch.stack(log_probs) * target).sum((1, 2))  # each step's cross-entropy
+    values = torch.zeros(len(real), dtype=target.dtype)
+    if loss.cross_entropy:
+        values = -(torch.stack(log_probs) * target).sum((1, 2))  # each step's cross-entropy
     if distances:
         values = values + strength / 2 * torch.stack(distances)
     if dots:
         values = values - torch.stack(dots)
+    if alignments:
+        values = values + torch.stack(alignments) / 2  # each the sum of 2 w_s ||gap_s||^2
     trained = _unflatten(plan, flat, views)
     iterates = _unflatten(plan, iterate_sum, views) if sum_iterates else None
     moved = (_unflatten(plan, moving, views), len(real)) if every > 0 else None
@@ -273,6 +283,8 @@ class StepInputs(NamedTuple):
     first: int
     target: Tensor
     weights: Tensor
+    centroid_targets: Tensor
+    centroid_rows: Tensor
 
 
 def step_inputs(
@@ -281,8 +293,11 @@ def step_inputs(
     """The inputs of the steps ``batches`` / ``batch_mask`` (``[S, B]``, every step real),
     gathered once: each step's input, the transposed input of the linear layer ``first`` that
     reads it (-1: none), ``onehot(y)^T * mask / n`` ``[S, K, B]`` and ``mask / n`` ``[S, B]``
-    (times the samples' weights when the loss has them)."""
-    weights = batch_mask / batch_mask.sum(1, keepdim=True).clamp(min=1)  # [S, B]: mask / n_s
+    (times the samples' weights when the loss has them); with the loss's centroids, each row's
+    centroid ``[S, B, M]`` and ``2 centroid_weights[y] mask / n`` ``[S, B, 1]`` (else empty;
+    with ``class_means``, ``n`` is the number of the row's class in its minibatch)."""
+    plain_weights = batch_mask / batch_mask.sum(1, keepdim=True).clamp(min=1)  # [S, B]: mask / n_s
+    weights = plain_weights
     if loss.sample_weights is not None:  # [S, B]: w_idx * mask / n_s
         weights = weights * loss.sample_weights[batches]
     first = _first_linear(plan)
@@ -302,7 +317,15 @@ def step_inputs(
     # the head works on transposed logits [K, B]: products with a few outputs run fastest so
     target = F.one_hot(labels, classes).to(weights.dtype).transpose(1, 2)
     target = target * weights.unsqueeze(1)  # [S, K, B]: onehot(y) * mask / n_s
-    return StepInputs(inputs, inputs_t, first, target, weights)
+    centroid_targets = centroid_rows = weights.new_empty((len(batches), 0))
+    if loss.centroids is not None:
+        centroid_targets = loss.centroids[labels]  # [S, B, M]
+        if loss.class_means:  # [S, B]: mask / (rows of the row's class in its minibatch)
+            classes = torch.arange(len(loss.centroids), device=labels.device)
+            rows = ((labels[..., None] == classes) * batch_mask[..., None]).sum(1).clamp(min=1)
+            plain_weights = batch_mask / rows.gather(1, labels)
+        centroid_rows = (2 * loss.centroid_weights[labels] * plain_weights).unsqueeze(2)
+    return StepInputs(inputs, inputs_t, first, target, weights, centroid_targets, centroid_rows)
 
 
 def flat_views(
@@ -363,6 +386,7 @@ def _settings(layer: Layer) -> list[int]:
 
 
 def _steps(
+    has_head: bool,
     kinds: list[str],
     settings: list[list[int]],
     weights: list[Tensor],
@@ -382,6 +406,8 @@ def _steps(
     first: int,
     negative_target: list[Tensor],
     weight_rows: list[Tensor],
+    centroid_targets: list[Tensor],
+    centroid_rows: list[Tensor],
     ones: Tensor,
     label_mask: Tensor,
     masked: bool,
@@ -389,11 +415,12 @@ def _steps(
     lr: float,
     shrink: float,
     lowest: int,
-) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
     """SGD steps of a plain-layer model whose last layer is a linear head, updating ``weights``
     and ``biases`` in place.
 
-    TorchScript-compatible. Per layer ``i``: ``kinds[i]``, integer ``settings[i]``,
+    TorchScript-compatible. Without ``has_head``, the last layer is the body's and the loss has
+    no cross-entropy. Per layer ``i``: ``kinds[i]``, integer ``settings[i]``,
     ``weights[i]`` / ``biases[i]`` (empty when absent; linear body layers' weights transposed,
     ``W^T``, contiguous) and ``flags[i] = [has bias, weight trained, bias trained]``. The trained
     tensors are views of ``flat``; ``anchor`` and ``linear`` (empty when absent) are the
@@ -403,17 +430,21 @@ def _steps(
     sums the parameters each step starts from. After the steps where ``moves`` says so, the
     anchor ``moving`` moves by ``moving <- moving + follow (flat - moving)`` and ``pull`` follows
     it (``pull_scale = lr strength``). Per step: its input (and, for
-    the linear layer ``first`` that reads it, its transpose), ``-onehot(y)^T * mask / n`` and
-    ``mask / n``. The head computes transposed logits ``W a^T``: with 10-row minibatches and
-    10-class heads, these are the layouts whose matrix products run fastest. Returns each step's
-    log-probabilities ``[K, B]`` and, before the step, ``||flat - anchor||^2`` and
-    ``<linear, flat>`` (empty lists without them).
+    the linear layer ``first`` that reads it, its transpose), ``-onehot(y)^T * mask / n``,
+    ``mask / n`` and, for the alignment term (empty without one), its rows' centroids ``c``
+    ``[B, M]`` and ``2 w = 2 centroid_weights[y] mask / n`` ``[B, 1]``: the term adds
+    ``2 w (a - c)`` to the gradient in the head's input ``a``. The head computes transposed
+    logits ``W a^T``: with 10-row minibatches and 10-class heads, these are the layouts whose
+    matrix products run fastest. Returns each step's log-probabilities ``[K, B]`` and, before the
+    step, ``||flat - anchor||^2``, ``<linear, flat>`` and ``sum 2 w ||a - c||^2`` (empty lists
+    without them).
     """
     params = weights
     scratch = torch.empty_like(anchor)
     log_probs: list[Tensor] = []
     distances: list[Tensor] = []
     dots: list[Tensor] = []
+    alignments: list[Tensor] = []
     for s in range(len(inputs)):
         if iterates.numel() > 0:
             iterates.add_(flat)
@@ -423,13 +454,20 @@ def _steps(
         if linear.numel() > 0:
             dots.append(torch.dot(linear, flat))
         a, log_p, grad_t, saved, indices, shapes = forward_pass(
-            kinds, settings, params, biases, flags, inputs[s], negative_target[s], weight_rows[s],
-            label_mask, masked, lowest_logit,
+            has_head, kinds, settings, params, biases, flags, inputs[s], negative_target[s],
+            weight_rows[s], label_mask, masked, lowest_logit,
         )  # fmt: skip
         log_probs.append(log_p)
+        feature_grad = centroid_rows[s]  # empty without an alignment term
+        if feature_grad.numel() > 0:
+            gap = a - centroid_targets[s]
+            feature_grad = gap * feature_grad
+            alignments.append(torch.dot(gap.flatten(), feature_grad.flatten()))
         backward_pass(
-            kinds, settings, params, biases, params, biases, flags, saved, indices, shapes, a,
-            grad_t, inputs_t[s] if first >= 0 else a, first, ones, lr, shrink, lowest,
+            has_head, kinds, settings, params, biases, params, biases, flags, saved, indices,
+            shapes, a,
+            grad_t, feature_grad, inputs_t[s] if first >= 0 else a, first, ones, lr, shrink,
+            lowest,
         )  # fmt: skip
         if pull.numel() > 0:
             flat.add_(pull)
@@ -438,4 +476,4 @@ def _steps(
             torch.mul(moving, pull_scale, out=pull)
             if linear.numel() > 0:
                 pull.add_(linear, alpha=lr)
-    return log_probs, distances, dots
+    return log_probs, distances, dots, alignments

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -54,6 +55,8 @@ class Substep:
         shrink: The factor on ``into`` (weight decay: ``1 - lr decay``).
         row: The row of the client's schedule (``data.batches``) whose minibatch it uses.
         mixes: What happens to the points before the gradient is taken.
+        record: Whether to record ``||into||^2`` after the update (with ``shrink`` 0 and ``lr``
+            -1, the squared norm of the gradient: FedAS's Fisher trace).
     """
 
     at: int
@@ -62,21 +65,35 @@ class Substep:
     shrink: float
     row: int
     mixes: tuple[Mix, ...] = ()
+    record: bool = False
+
+
+class Program(NamedTuple):
+    """What :func:`fused_program` returns: the points after the substeps (new tensors), each
+    substep's cross-entropy at its point ``at`` on its minibatch before its update, and the
+    squared norms the substeps with ``record`` recorded, in order."""
+
+    points: list[Params]
+    values: Tensor
+    norms: list[Tensor]
 
 
 def fused_program(
     loss: object, points: Sequence[Params], data: ClientData, substeps: Sequence[Substep]
-) -> tuple[list[Params], Tensor] | None:
+) -> Program | None:
     """The substeps on the points, or ``None`` when they do not fuse.
 
     Every point is keyed like the first, every key a trained parameter of ``loss``'s model; every
     substep's row must be real (a padding row would change nothing anyway: leave it out).
 
     Returns:
-        The points after the substeps (new tensors) and each substep's cross-entropy at its
-        point ``at`` on its minibatch, before its update.
+        A :class:`Program`.
     """
-    if not isinstance(loss, ModelLoss) or loss.anchor is not None or loss.linear is not None:
+    if (
+        not isinstance(loss, ModelLoss)
+        or not loss.cross_entropy
+        or any(term is not None for term in (loss.anchor, loss.linear, loss.centroids))
+    ):
         return None
     plan = plain_plan(loss, dict(points[0]), data)
     if plan is None or any(set(p) != set(points[0]) for p in points):
@@ -95,7 +112,7 @@ def fused_program(
     label_mask = loss.label_mask > 0
     trained = set(points[0])
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
-        log_probs = compiled(_program)(
+        log_probs, norms = compiled(_program)(
             [layer.kind for layer in plan],
             [_settings(layer) for layer in plan],
             [[f.get(layer.weight, empty) for layer in plan] for f in full],
@@ -114,6 +131,7 @@ def fused_program(
             [float(s.lr) for s in substeps],
             [float(s.shrink) for s in substeps],
             [position[s.row] for s in substeps],
+            [s.record for s in substeps],
             feed.inputs,
             feed.inputs_t,
             feed.first,
@@ -127,7 +145,8 @@ def fused_program(
         )
     targets = feed.target[[position[s.row] for s in substeps]]
     values = -(torch.stack(log_probs) * targets).sum((1, 2))
-    return [_unflatten(plan, flat, v) for flat, v in zip(flats, views, strict=True)], values
+    points = [_unflatten(plan, flat, v) for flat, v in zip(flats, views, strict=True)]
+    return Program(points, values, norms)
 
 
 def real_rows(data: ClientData) -> list[int] | None:
@@ -154,6 +173,7 @@ def _program(
     lrs: list[float],
     shrinks: list[float],
     feed: list[int],
+    record: list[bool],
     inputs: list[Tensor],
     inputs_t: list[Tensor],
     first: int,
@@ -164,13 +184,16 @@ def _program(
     masked: bool,
     lowest_logit: float,
     lowest: int,
-) -> list[Tensor]:
+) -> tuple[list[Tensor], list[Tensor]]:
     """The substeps (TorchScript-compatible). Point ``p``'s layers are ``weights[p]`` /
     ``biases[p]``, its trained tensors views of ``flats[p]``; substep ``j`` mixes the points,
     then runs :func:`~pflego.fused_passes.forward_pass` at point ``at[j]`` on minibatch
     ``feed[j]`` and :func:`~pflego.fused_passes.backward_pass` into point ``into[j]``. Returns
-    each substep's log-probabilities ``[K, B]``."""
+    each substep's log-probabilities ``[K, B]`` and, for the substeps with ``record``, the
+    squared norm of point ``into[j]`` after the update."""
     log_probs: list[Tensor] = []
+    norms: list[Tensor] = []
+    no_feature_grad = ones[:0]
     for j in range(len(at)):
         for m in range(len(mix_dst[j])):
             dst, start, weight = flats[mix_dst[j][m]], flats[mix_start[j][m]], mix_weight[j][m]
@@ -180,13 +203,15 @@ def _program(
                 torch.lerp(start, flats[mix_end[j][m]], weight, out=dst)
         r, p, q = feed[j], at[j], into[j]
         a_, log_p, grad_t, saved, indices, shapes = forward_pass(
-            kinds, settings, weights[p], biases[p], flags, inputs[r], negative_target[r],
+            True, kinds, settings, weights[p], biases[p], flags, inputs[r], negative_target[r],
             weight_rows[r], label_mask, masked, lowest_logit,
         )  # fmt: skip
         log_probs.append(log_p)
         backward_pass(
-            kinds, settings, weights[p], biases[p], weights[q], biases[q], flags, saved, indices,
-            shapes, a_, grad_t, inputs_t[r] if first >= 0 else a_, first, ones, lrs[j],
-            shrinks[j], lowest,
+            True, kinds, settings, weights[p], biases[p], weights[q], biases[q], flags, saved,
+            indices, shapes, a_, grad_t, no_feature_grad, inputs_t[r] if first >= 0 else a_,
+            first, ones, lrs[j], shrinks[j], lowest,
         )  # fmt: skip
-    return log_probs
+        if record[j]:
+            norms.append(torch.dot(flats[q], flats[q]))
+    return log_probs, norms

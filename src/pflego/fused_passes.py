@@ -33,6 +33,7 @@ def compiled(loop: Callable) -> Callable:
 
 
 def forward_pass(
+    has_head: bool,
     kinds: list[str],
     settings: list[list[int]],
     params: list[Tensor],
@@ -48,8 +49,9 @@ def forward_pass(
     """One step's forward pass (the arguments as in :func:`pflego.fused._steps`): the head's
     input, the log-probabilities ``[K, B]``, the loss's gradient in the transposed logits, and
     what the backward pass reads (each layer's kept input or output, pooling indices and input
-    shapes)."""
-    head = len(kinds) - 1
+    shapes). Without ``has_head``, every layer is the body's, and the log-probabilities and
+    their gradient are empty."""
+    head = len(kinds) - 1 if has_head else len(kinds)
     saved: list[Tensor] = []
     indices: list[Tensor] = []
     shapes: list[list[int]] = []
@@ -75,6 +77,8 @@ def forward_pass(
             indices[i] = where
         elif kind == "flatten":
             a = a.flatten(setting[0], setting[1])
+    if not has_head:
+        return a, a[:0], a[:0], saved, indices, shapes
     logits = torch.mm(params[head], a.t())  # [K, B]
     if flags[head][0]:
         logits = logits + biases[head].unsqueeze(1)
@@ -86,6 +90,7 @@ def forward_pass(
 
 
 def backward_pass(
+    has_head: bool,
     kinds: list[str],
     settings: list[list[int]],
     params: list[Tensor],
@@ -98,6 +103,7 @@ def backward_pass(
     shapes: list[list[int]],
     a: Tensor,
     grad_t: Tensor,
+    feature_grad: Tensor,
     input_t: Tensor,
     first: int,
     ones: Tensor,
@@ -108,15 +114,22 @@ def backward_pass(
     """One step's backward pass from :func:`forward_pass`'s results: the
     gradient taken at ``params`` / ``biases`` updates ``targets`` / ``target_biases`` in place,
     ``t <- shrink t - lr g`` (the same lists for a plain SGD step; another point's for a step
-    whose gradient is taken elsewhere). ``input_t``: the transposed input of layer ``first``."""
-    head = len(kinds) - 1
-    grad = grad_t
-    if head > lowest:
-        grad = torch.mm(grad_t.t(), params[head])  # before this step's update
-    if flags[head][1]:
-        targets[head].addmm_(grad_t, a, beta=shrink, alpha=-lr)
-    if flags[head][2]:
-        target_biases[head].addmv_(grad_t, ones, beta=shrink, alpha=-lr)
+    whose gradient is taken elsewhere). ``feature_grad``: the gradient of the loss's other terms
+    in the head's input ``a`` (empty: none), added to the head's; without ``has_head``, the
+    only gradient in the body's output ``a``. ``input_t``: the transposed input of layer
+    ``first``."""
+    head = len(kinds) - 1 if has_head else len(kinds)
+    grad = feature_grad
+    if has_head:
+        grad = grad_t
+        if head > lowest:
+            grad = torch.mm(grad_t.t(), params[head])  # before this step's update
+            if feature_grad.numel() > 0:
+                grad.add_(feature_grad)
+        if flags[head][1]:
+            targets[head].addmm_(grad_t, a, beta=shrink, alpha=-lr)
+        if flags[head][2]:
+            target_biases[head].addmv_(grad_t, ones, beta=shrink, alpha=-lr)
     for i in range(head - 1, lowest - 1, -1):
         kind, setting, keep, below = kinds[i], settings[i], saved[i], i > lowest
         if kind == "linear":

@@ -42,9 +42,14 @@ class ModelLoss:
     """A model's masked cross-entropy with optional regularizers, as a declared loss function.
 
     ``loss(p, x, y, mask) = CE(forward({**fixed, **p}, x), y; mask, label_mask)
-    + strength / 2 * ||p - anchor||^2 - <linear, p>``
+    + strength / 2 * ||p - anchor||^2 - <linear, p> + alignment``
 
     With ``sample_weights``, the cross-entropy is ``sum_s w_s mask_s CE_s / sum_s mask_s``.
+    With ``centroids``, the feature-alignment term (FedPAC's, FedProto's) is
+    ``sum_s mask_s centroid_weights[y_s] ||phi(x_s) - centroids[y_s]||^2 / sum_s mask_s``, with
+    ``phi`` the model's features (the head's input); with ``class_means``, each row's term is
+    divided by the number of rows of its class in the minibatch instead (FedAS's sum over the
+    classes of their means). Without ``cross_entropy``, the loss is its other terms only.
 
     Called like any loss function (``train_steps`` differentiates it with ``torch.func``); its
     fields let :mod:`pflego.fused` run SGD on it without autograd.
@@ -60,6 +65,13 @@ class ModelLoss:
         sample_weights: ``[n]``, a weight per sample of the client's data (FedEM's
             responsibilities), or ``None``. ``train_steps`` calls the loss on a minibatch
             ``idx`` as :meth:`on_samples` ``(idx)``, whose weights are the batch's.
+        centroids: ``[C, M]``, the point each class's features are pulled to, or ``None``.
+        centroid_weights: ``[C]``, each class's weight in the alignment term (with
+            ``centroids``; FedPAC's ``lambda / M`` for its mean over the M features).
+        class_means: Whether the alignment term is a sum over the minibatch's classes of their
+            rows' means (else the mean over its rows).
+        cross_entropy: Whether the loss has the cross-entropy term (without it, the head is
+            neither read nor trained).
     """
 
     model: SplitModel | None
@@ -69,6 +81,10 @@ class ModelLoss:
     strength: float = 0.0
     linear: Params | None = None
     sample_weights: Tensor | None = None
+    centroids: Tensor | None = None
+    centroid_weights: Tensor | None = None
+    class_means: bool = False
+    cross_entropy: bool = True
 
     def on_samples(self, idx: Tensor) -> ModelLoss:
         """The loss on the minibatch of samples ``idx``: its sample weights are theirs."""
@@ -76,14 +92,23 @@ class ModelLoss:
             return self
         return dataclasses.replace(self, sample_weights=self.sample_weights[idx])
 
-    def logits(self, params: Params, x: Tensor) -> Tensor:
-        full = {**self.fixed, **params}
-        return head_logits(full, x) if self.model is None else self.model.forward(full, x)
-
     def __call__(self, params: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
-        weights = mask if self.sample_weights is None else mask * self.sample_weights
-        value = (cross_entropies(self.logits(params, x), y, self.label_mask) * weights).sum()
-        value = value / mask.sum().clamp(min=1)
+        full = {**self.fixed, **params}
+        features = x if self.model is None else self.model.features(full, x)
+        count = mask.sum().clamp(min=1)
+        value = features.new_zeros(())
+        if self.cross_entropy:
+            weights = mask if self.sample_weights is None else mask * self.sample_weights
+            logits = head_logits(full, features)
+            value = (cross_entropies(logits, y, self.label_mask) * weights).sum() / count
+        if self.centroids is not None:
+            gaps = ((features - self.centroids[y]) ** 2).sum(-1) * self.centroid_weights[y] * mask
+            if self.class_means:  # each row over its class's rows in the minibatch
+                classes = torch.arange(len(self.centroids), device=y.device)
+                rows = ((y[:, None] == classes) * mask[:, None]).sum(0).clamp(min=1)
+                value = value + (gaps / rows[y]).sum()
+            else:
+                value = value + gaps.sum() / count
         if self.anchor is not None:
             value = value + self.strength / 2 * tree.sq_norm(tree.sub(params, self.anchor))
         if self.linear is not None:

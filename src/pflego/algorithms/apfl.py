@@ -256,7 +256,7 @@ class APFL(Algorithm):
         fused = fused_program(loss, [w, v, v], data, substeps)
         if fused is None:
             return None
-        (w, v, _), values = fused
+        (w, v, _), values = fused.points, fused.values
         trained = {**tree.add_prefix("w.", w), **tree.add_prefix("v.", v)}
         return trained, values.reshape(-1, 2).sum(1).mean()
 

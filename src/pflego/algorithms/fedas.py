@@ -61,8 +61,9 @@ from torch.func import grad
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
-from pflego.local import train_steps
-from pflego.loss import masked_cross_entropy
+from pflego.fused_bilevel import Substep, fused_program, real_rows
+from pflego.local import fused_or_none, train_steps
+from pflego.loss import ModelLoss, masked_cross_entropy
 from pflego.optim import SGD
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext, Schedule
@@ -126,20 +127,25 @@ class FedAS(Algorithm):
         onehot = self.one_hot(data.y, features.dtype) * data.mask[:, None]
         return (onehot.T @ features) / onehot.sum(0).clamp(min=1)[:, None]
 
-    def alignment_loss(self, prototypes: Tensor):
-        """sum over the batch's classes of MSE(phi(x_{y=c}), P_c)."""
-
-        def loss(body: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
-            f = self.model.features(body, x)
-            onehot = self.one_hot(y, f.dtype) * mask[:, None]
-            inverse_counts = 1 / onehot.sum(0).clamp(min=1)
-            per_sample = ((f - prototypes[y]) ** 2).mean(-1)
-            return (per_sample * (onehot @ inverse_counts)).sum()
-
-        return loss
+    def alignment_loss(self, prototypes: Tensor, label_mask: Tensor) -> ModelLoss:
+        """sum over the batch's classes of MSE(phi(x_{y=c}), P_c) (the mean over the class's
+        rows and the M features), declared so that its SGD steps may run fused."""
+        weights = prototypes.new_full((len(prototypes),), 1 / prototypes.shape[-1])
+        return ModelLoss(
+            self.model,
+            label_mask,
+            centroids=prototypes,
+            centroid_weights=weights,
+            class_means=True,
+            cross_entropy=False,
+        )
 
     def fisher_trace(self, params: Params, data: ClientData) -> Tensor:
-        """sum over the batches of ||grad mean-NLL(batch)||^2, all parameters."""
+        """sum over the batches of ||grad mean-NLL(batch)||^2, all parameters (inside
+        :func:`~pflego.local.fused_steps`, the batches' gradients as one fused program)."""
+        fused = fused_or_none(lambda: self.fused_fisher_trace(params, data))
+        if fused is not None:
+            return fused
         nll = lambda p, x, y, m: masked_cross_entropy(self.model.forward(p, x), y, m)  # noqa: E731
         total = torch.zeros((), dtype=next(iter(params.values())).dtype)
         for idx, bmask in zip(data.batches, data.batch_mask, strict=True):
@@ -147,11 +153,26 @@ class FedAS(Algorithm):
             total = total + torch.where(bmask.sum() > 0, tree.sq_norm(g), 0.0)
         return total
 
+    def fused_fisher_trace(self, params: Params, data: ClientData) -> Tensor | None:
+        """:meth:`fisher_trace` by fused substeps, each writing one real batch's gradient into
+        the same second point (``g <- 0 g - (-1) grad``) and recording its squared norm, or
+        ``None`` where they do not fuse."""
+        rows = real_rows(data)
+        if not rows:
+            return None
+        head = params["head.weight"]
+        every_logit = head.new_ones(head.shape[0])  # the NLL of the whole head
+        substeps = [Substep(0, 1, -1.0, 0.0, row, record=True) for row in rows]
+        points = [params, tree.zeros_like(params)]
+        fused = fused_program(ModelLoss(self.model, every_logit), points, data, substeps)
+        return None if fused is None else torch.stack(fused.norms).sum()
+
     def local_round(self, downlink, state, data: ClientData, ctx: RoundContext):
         """Alignment of phi^t, then the cross-entropy steps; returns theta_i and the mean loss."""
         received = tree.select(downlink, ["body"])
         align = data.using("align")
-        loss = self.alignment_loss(self.prototypes(self.own_body(downlink, state), data))
+        prototypes = self.prototypes(self.own_body(downlink, state), data)
+        loss = self.alignment_loss(prototypes, data.label_mask)
         sgd = SGD()
         aligned, _, _ = train_steps(loss, received, align, sgd, sgd.init(received), self.align_lr)
         params = {**aligned, **tree.select(state, ["head"])}

@@ -73,14 +73,13 @@ from pflego.algorithms.fedproto import (
     PRESENT,
     SUM,
     aggregate_prototypes,
-    alignment,
     class_sums,
     initial_prototypes,
 )
 from pflego.errors import ConfigError
 from pflego.local import train_steps
-from pflego.loss import masked_cross_entropy
-from pflego.models import head_logits, init_head
+from pflego.loss import ModelLoss
+from pflego.models import init_head
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, Schedule, ServerState
 
@@ -262,12 +261,14 @@ class FedPAC(FixedHead):
         present = downlink[PRESENT]
         targets = torch.where(present[:, None] > 0, downlink[MEAN], local_means)
         active = present.max().expand_as(present)  # no alignment before any global prototype
-
-        def loss(p: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
-            z = self.model.features(p, x)
-            ce = masked_cross_entropy(head_logits(head, z), y, mask, data.label_mask)
-            return ce + self.lam * alignment(z, y, mask, targets, active)
-
+        # CE + lam (1/n) sum_s mean_m (z_s - c_{y_s})_m^2: declared, so its SGD steps may fuse
+        loss = ModelLoss(
+            self.model,
+            data.label_mask,
+            fixed=head,
+            centroids=targets,
+            centroid_weights=active * (self.lam / targets.shape[-1]),
+        )
         opt = self.client_optimizer
         trained, _, mean_loss = train_steps(
             loss, body, data.using("body"), opt, opt.init(body), ctx.client_lr

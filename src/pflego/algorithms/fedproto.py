@@ -60,8 +60,8 @@ from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
 from pflego.local import train_steps
-from pflego.loss import masked_cross_entropy
-from pflego.models import SplitModel, head_logits, init_head
+from pflego.loss import ModelLoss
+from pflego.models import SplitModel, init_head
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, ServerState
 
@@ -81,19 +81,6 @@ def class_sums(
     """Per-class sums ``[C, M]`` of the real samples' features and their counts ``[C]``."""
     weights = one_hot(y, num_classes, features.dtype) * mask[:, None]
     return weights.T @ features, weights.sum(0)
-
-
-def alignment(
-    features: Tensor, y: Tensor, mask: Tensor, targets: Tensor, present: Tensor
-) -> Tensor:
-    """``(1/n) sum_s present[y_s] * mean_m (f(x_s) - targets[y_s])_m^2`` over the real samples.
-
-    The authors' ``MSELoss`` between the features and their classes' prototypes, where a sample
-    whose class has no prototype (``present`` 0) is its own target (a zero term).
-    """
-    onehot = one_hot(y, targets.shape[0], features.dtype)
-    gap = ((features - onehot @ targets) ** 2).mean(-1) * (onehot @ present)
-    return (gap * mask).sum() / mask.sum().clamp(min=1)
 
 
 def nearest_prototype_logits(features: Tensor, means: Tensor, present: Tensor) -> Tensor:
@@ -169,15 +156,12 @@ class FedProto(Algorithm):
         """The client's own model starts as w^0."""
         return {k: v.clone() for k, v in tree.select(downlink, MODEL).items()}
 
-    def local_objective(self, targets: Tensor, present: Tensor, label_mask: Tensor):
-        """``CE + lam * R(f(x), C_bar^(y))`` on a batch (Eq. 8)."""
-
-        def loss(params: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
-            z = self.model.features(params, x)
-            ce = masked_cross_entropy(head_logits(params, z), y, mask, label_mask)
-            return ce + self.lam * alignment(z, y, mask, targets, present)
-
-        return loss
+    def local_objective(self, targets: Tensor, present: Tensor, label_mask: Tensor) -> ModelLoss:
+        """``CE + lam * R(f(x), C_bar^(y))`` on a batch (Eq. 8), with ``R`` the authors'
+        ``MSELoss`` (the squared distance averaged over the M features) and no term for a sample
+        whose class has no prototype, declared so that its SGD steps may run fused."""
+        weights = present * (self.lam / targets.shape[-1])  # R is a mean over the M features
+        return ModelLoss(self.model, label_mask, centroids=targets, centroid_weights=weights)
 
     def train_local(self, downlink: Params, state: ClientState, data: ClientData, ctx):
         loss = self.local_objective(downlink[MEAN], downlink[PRESENT], data.label_mask)

@@ -185,7 +185,7 @@ class PerFedAvg(Algorithm):
         fused = fused_program(ModelLoss(self.model, meta.label_mask), points, meta, substeps)
         if fused is None:
             return None
-        trained, values = fused
+        trained, values = fused.points, fused.values
         return trained[0], values[0::2].mean()  # f(w; D) of each meta-step
 
     def adapt(self, downlink, state, data: ClientData, ctx: RoundContext):
