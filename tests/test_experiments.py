@@ -21,8 +21,8 @@ from pflego.data import ArrayDataset, register
 from pflego.errors import ConfigError, DataError
 from pflego.experiments import measures as M
 from pflego.experiments import report_figures
-from pflego.experiments.report import build_report
 from pflego.experiments.presets import grid_points, point_label
+from pflego.experiments.report import build_report
 from pflego.experiments.reproduce import reproduce
 from pflego.experiments.runs import read_manifest
 from pflego.experiments.seeds import parse_seeds
