@@ -369,6 +369,10 @@ def render(study: dict[str, Any]) -> str:
             for name, label in picks.items()
         ]
         lines += [
+            f"- never chosen: **{label}**, diverged in a longer run: {why}"
+            for label, why in entry.get("unstable", {}).items()
+        ]
+        lines += [
             "",
             "| setting | CPU s | best point | best val acc | "
             + " | ".join(f"{name}: val acc | regret" for name in picks)
@@ -410,7 +414,8 @@ def summarize(entry: dict[str, Any]) -> None:
     entry["regret"] = table
     if not table:
         return
-    labels = list(next(iter(table.values())))
+    unstable = entry.get("unstable", {})  # diverged in a run longer than the cells' rounds
+    labels = [label for label in next(iter(table.values())) if label not in unstable]
     picks = {"chosen": choose(table, labels)}
     sgd = [label for label in labels if "server_optimizer=sgd" in label]
     if sgd:  # the library's default server optimizer is SGD for every method
@@ -457,6 +462,13 @@ def main() -> None:
     parser.add_argument("--left-out", action="append", default=None, help="a line for the report")
     parser.add_argument("--finding", action="append", default=None, help="a line for the report")
     parser.add_argument(
+        "--unstable",
+        action="append",
+        default=[],
+        metavar="ALGORITHM|POINT|EVIDENCE",
+        help="a grid point never to choose: it diverged in a longer run (the evidence: which)",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="train nothing: rewrite report.md from study.json",
@@ -475,6 +487,9 @@ def main() -> None:
         )
     study["left_out"] = args.left_out if args.left_out is not None else study.get("left_out", [])
     study["findings"] = args.finding if args.finding is not None else study.get("findings", [])
+    for spec in args.unstable:
+        algorithm, label, evidence = spec.split("|", 2)
+        study["algorithms"][algorithm].setdefault("unstable", {})[label] = evidence
     names = algorithms_in_order() if args.algorithms == "all" else args.algorithms.split(",")
     settings = [] if args.report_only else args.settings.split(",")
     for algorithm in names:

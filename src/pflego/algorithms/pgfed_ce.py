@@ -19,6 +19,7 @@ by default, ``alpha_gradient="mean"`` for the paper's average). A newcomer joins
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pflego.algorithms.base import register
 from pflego.algorithms.pgfed import PGFed
@@ -27,6 +28,9 @@ from pflego.algorithms.pgfed import PGFed
 @register("pgfed-ce")
 @dataclass(frozen=True)
 class PGFedCE(PGFed):
+    # its own study's choice (docs/defaults.md), stable over the leaderboard preset's 100 rounds
+    default_client_lr: ClassVar[float] = 0.3
+
     def iterate_statistic(self, iterates):
         """Nothing: the server evaluates the a_i gradient at theta_glob."""
         return {}
