@@ -176,9 +176,7 @@ def merge(*layers: dict[str, Any]) -> dict[str, Any]:
 
 def assignment(key: str, value: Any) -> dict[str, Any]:
     """``{key: value}`` as settings, with ``options.K`` nested and a joint value's keys spread."""
-    if key == "options" and isinstance(
-        value, dict
-    ):  # a joint value's algorithm options stay options
+    if key == "options" and isinstance(value, dict):  # a joint value's options stay options
         return {"options": dict(value)}
     if isinstance(value, dict):
         return merge(*(assignment(k, v) for k, v in value.items()))
