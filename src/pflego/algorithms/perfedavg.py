@@ -150,9 +150,9 @@ class PerFedAvg(Algorithm):
         self, downlink: Params, meta: ClientData, lr: float
     ) -> tuple[Params, Tensor] | None:
         """The FO (or ``code``) meta-steps as one fused program, or ``None`` where they do not
-        fuse (HF's Hessian-vector product, weight decay, another loss): per group of two real minibatches, a step of alpha
-        from a copy w' of w (``code``: from w itself), and a step of beta on w with the gradient
-        at w'."""
+        fuse (HF's Hessian-vector product, weight decay, another loss): per group of two real
+        minibatches, a step of alpha from a copy w' of w (``code``: from w itself), and a step
+        of beta on w with the gradient at w'."""
         rows = real_rows(meta)
         plain = type(self).loss is Algorithm.loss and type(self).objective is PerFedAvg.objective
         decay = getattr(self.client_optimizer, "weight_decay", 0.0)
