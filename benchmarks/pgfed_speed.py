@@ -6,7 +6,9 @@ V100 GPU, 5 local epochs as in training (PGFed's one extra full-batch gradient p
 about one epoch: the fewer the epochs, the larger its share). Each method trains ``--warmup``
 rounds untimed, then ``--rounds`` timed rounds; only the cohort's client updates are timed (the
 backend call of the round loop), and the images are those the clients really processed (local
-epochs x samples). Traffic comes from :func:`pflego.comm.round_traffic`.
+epochs x samples; on a GPU after waiting for its kernels). Methods whose local steps are plain
+gradient steps (APFL, Per-FedAvg) take them without momentum. Traffic comes from
+:func:`pflego.comm.round_traffic`.
 Methods that are not registered are skipped and listed. Timings on a shared CPU are noisy: compare
 the relative column, and rerun on an idle machine for absolute numbers.
 
@@ -21,6 +23,8 @@ import argparse
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from pflego.algorithms import ALGORITHMS
 from pflego.comm import round_traffic
@@ -51,6 +55,8 @@ class TimedBackend:
     def __call__(self, algorithm, downlink, states, cohort, ctx):
         start = time.perf_counter()
         result = self.backend(algorithm, downlink, states, cohort, ctx)
+        if torch.cuda.is_initialized():  # CUDA kernels run asynchronously: wait for them
+            torch.cuda.synchronize()
         if self.timing:
             self.seconds += time.perf_counter() - start
             # Each real step sees its real batch entries: all the images the client processed.
@@ -60,6 +66,8 @@ class TimedBackend:
 
 def measure(name: str, settings: dict, rounds: int, warmup: int = 1) -> dict:
     """Images per second of ``name``'s client updates and its traffic per sampled client."""
+    if ALGORITHMS[name].client_step != "optimizer":  # APFL, Per-FedAvg: plain gradient steps
+        settings = {**settings, "client_optimizer": "sgd"}
     sim = Simulation(build_experiment(load_config({**settings, "algorithm": name})), None)
     timed = TimedBackend(sim.backend)
     sim.backend = timed

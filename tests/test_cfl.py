@@ -170,14 +170,15 @@ def planar_updates(server, vectors: list[tuple[float, float]]) -> dict:
 
 
 def test_the_split_is_the_complete_linkage_bipartition_not_the_single_linkage_one():
-    """Six unit directions at 0, 30, 60, 90, 120 and 175 degrees (times 2): complete linkage
-    splits {0, 30, 60} from {90, 120, 175}; single linkage would chain the first five and split
-    off the last one alone."""
+    """Six directions at 0, 24, 55, 90, 122 and 175 degrees (times 2): complete linkage splits
+    {0, 24, 55} from {90, 122, 175}; single linkage would chain the first five and split off the
+    last one alone. The gaps differ (24, 31, 35, 32, 53 degrees) so that no merge is decided by a
+    tie that rounding could break either way (equal gaps split differently on another machine)."""
     exp = tiny_experiment(algorithm="cfl", model="linear", options={"eps1": 5.0, "eps2": 1.0})
     sim = Simulation(exp, None)
     algorithm, ctx = sim.algorithm, sim.context(0)
     server = algorithm.init_server({k: v[0] for k, v in sim.server["params"].items()})
-    angles = np.radians([0, 30, 60, 90, 120, 175])
+    angles = np.radians([0, 24, 55, 90, 122, 175])
     vectors = [(2 * np.cos(a), 2 * np.sin(a)) for a in angles]
     out = ClientOut(
         planar_updates(server["params"], vectors), torch.ones(6, dtype=torch.float64), {}

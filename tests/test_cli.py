@@ -331,6 +331,7 @@ def test_official_files_are_checked_against_published_checksums(
     capsys, tmp_path, offline, monkeypatch
 ):
     monkeypatch.setattr(download, "verify_local", VERIFY_LOCAL)
+    monkeypatch.delenv("PFLEGO_NO_VERIFY", raising=False)  # the check is what is tested
     data_dir = tmp_path / "data"
     write_mnist(data_dir / "mnist")
     code, _, err = run_mnist(capsys, data_dir)

@@ -82,14 +82,15 @@ class MOCHA(Algorithm):
     # --- server -------------------------------------------------------------------------------
 
     def init_server(self, params: Params) -> ServerState:
-        dtype = next(iter(params.values())).dtype if params else torch.get_default_dtype()
+        first = next(iter(params.values()), torch.empty(0))
+        like = {"dtype": first.dtype, "device": first.device}
         width = (0, self.model.num_classes, self.model.feature_dim)
         return {
             **super().init_server(params),
             "mocha": {
-                "b": torch.zeros(width, dtype=dtype),
-                "sigma": torch.zeros(0, 0, dtype=dtype),
-                "rho": torch.ones((), dtype=dtype),
+                "b": torch.zeros(width, **like),
+                "sigma": torch.zeros(0, 0, **like),
+                "rho": torch.ones((), **like),
             },
         }
 
@@ -144,8 +145,8 @@ class MOCHA(Algorithm):
     # --- client -------------------------------------------------------------------------------
 
     def init_client(self, downlink, generator, ctx) -> ClientState:
-        dtype = downlink["mocha.w"].dtype
-        return {ALPHA: torch.zeros(self.max_samples, self.model.num_classes, dtype=dtype)}
+        w = downlink["mocha.w"]
+        return {ALPHA: w.new_zeros(self.max_samples, self.model.num_classes)}
 
     def sdca_schedule(self) -> Schedule:
         """Single coordinates, ``sdca_fraction`` of an epoch (a fresh permutation each round)."""

@@ -187,7 +187,7 @@ class Cohort:
         held_out = {}
         if self.validation is not None:
             vx, vy = self.validation.own(i)
-            held_out = {"x": vx, "y": vy, "mask": torch.ones(len(vy), dtype=vx.dtype)}
+            held_out = {"x": vx, "y": vy, "mask": vx.new_ones(len(vy))}
         return ClientData(
             x=x,
             y=y,
