@@ -3,7 +3,7 @@
 # test to run first on any new GPU machine.
 #
 # Usage (from the repository root, pflego installed or PYTHONPATH=src):
-#   bash benchmarks/gpu_runbook.sh --smoke [DEVICE]    every algorithm 2 rounds + the CNN bench
+#   bash benchmarks/gpu_runbook.sh --smoke [DEVICE]    CUDA == CPU tests, every algorithm 2 rounds, the CNN bench
 #   bash benchmarks/gpu_runbook.sh --list              the run-book: preset, blocks, hours
 #   bash benchmarks/gpu_runbook.sh --dry-run [DEVICE]  print the run-book's commands, run nothing
 #   bash benchmarks/gpu_runbook.sh [DEVICE]            run the run-book, in priority order
@@ -27,11 +27,10 @@
 #                    CNN bench on mnist5k, a few clients and a fraction of an epoch, and no
 #                    --quick of the run-book presets
 #
-# Expected hours on one GPU are ESTIMATES, not measurements (docs/gpu.md shows the arithmetic):
-# where a paper gives its own GPU's seconds per round (PFLEGO's arXiv Table 3 for Omniglot, PGFed's
-# Table 7 images/s on a V100) they are scaled to the run-book's rounds and methods; elsewhere the
-# CPU seconds per round measured here (2 shared cores) divided by an assumed 20x GPU speed-up.
-# Evaluation and checkpoints come on top. Replace them with the smoke test's timings once measured.
+# Expected hours on one GPU scale the seconds per round of one or two methods of each entry,
+# measured on one H100 on 2026-11-25 (results/gpu-h100/report.md), to all its methods and rounds
+# (docs/gpu.md shows the arithmetic); evaluation and checkpoints come on top. pflego-cifar10's
+# figure is an upper bound (measured with 15 runs sharing the GPU).
 set -euo pipefail
 
 PY=${RUNBOOK_PYTHON:-python}
@@ -43,11 +42,11 @@ DATA=${PFLEGO_DATA:-$HOME/.cache/pflego/data}
 # The run-book, in priority order: preset | blocks (- for all) | rows (- for all) |
 # estimated GPU hours | what it reproduces.
 RUNBOOK=(
-  "pflego-omniglot|-|-|30|PFLEGO Table 2: 8 methods x 1000 rounds, conv4, 50 alphabets"
-  "pgfed-cifar10|25|-|14|PGFed Tables 1-3, the 25-client block: 15 methods x 300 rounds"
-  "fedem-table2|cifar10|-|5|FedEM Table 2, CIFAR-10: 7 methods x 200 rounds, MobileNet-v2"
-  "fedem-table3|cifar10|-|6|FedEM Table 3, CIFAR-10: 10 methods x 200 rounds, MobileNet-v2"
-  "pflego-cifar10|-|-|1.5|PFLEGO Table 1, CIFAR-10: 3 methods x 3 blocks x 200 rounds"
+  "pflego-omniglot|-|-|14|PFLEGO Table 2: 8 methods x 1000 rounds, conv4, 50 alphabets"
+  "pgfed-cifar10|25|-|4|PGFed Tables 1-3, the 25-client block: 15 methods x 300 rounds"
+  "fedem-table2|cifar10|-|15|FedEM Table 2, CIFAR-10: 7 methods x 200 rounds, MobileNet-v2"
+  "fedem-table3|cifar10|-|20|FedEM Table 3, CIFAR-10: 10 methods x 200 rounds, MobileNet-v2"
+  "pflego-cifar10|-|-|6|PFLEGO Table 1, CIFAR-10: 3 methods x 3 blocks x 200 rounds"
 )
 
 usage() {
@@ -102,6 +101,10 @@ smoke() {
   local device=$1 start cnn_dataset smoke_out="$OUT/smoke"
   start=$(date +%s)
   rm -rf "$smoke_out" # a smoke test starts afresh every time
+  # 0. On a GPU: every algorithm's two rounds on CUDA against the CPU (float64, to 1e-8).
+  if [[ $device == cuda* ]]; then
+    timed "every algorithm, CUDA == CPU" "$PY" -m pytest -q -p no:cacheprovider tests/test_fast_sim.py -k cuda
+  fi
   # 1. Every registered algorithm (the leaderboard holds them all), 2 rounds, on the device.
   timed "every algorithm, $SMOKE_ROUNDS rounds on $device" \
     "$PY" -m pflego reproduce leaderboard-mnist --quick --offline --rounds "$SMOKE_ROUNDS" \
