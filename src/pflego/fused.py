@@ -53,7 +53,7 @@ def layer_plan(loss: ModelLoss) -> tuple[Layer, ...] | None:
     return None if body is None else body + head
 
 
-def _plain(tensors: Sequence[Tensor]) -> bool:
+def all_plain(tensors: Sequence[Tensor]) -> bool:
     """Tensors that are neither tracked by autograd nor wrapped by a ``torch.func`` transform."""
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     return all(not t.requires_grad and not wrapped(t) for t in tensors)
@@ -95,7 +95,7 @@ def fused_sgd_steps(
     if (
         plan is None
         or any(not set(params) <= set(t) for t in regularizers)
-        or not _plain([v for t in regularizers for v in t.values()])
+        or not all_plain([v for t in regularizers for v in t.values()])
     ):
         return None
     moving = prox is not None and prox.every > 0
@@ -119,16 +119,19 @@ def plain_plan(loss: ModelLoss, params: Params, data: ClientData) -> tuple[Layer
         return None
     full = {**loss.fixed, **params}
     names = {
-        name for layer in plan if layer.kind in ("linear", "conv") for name in _keys(layer, full)
+        name
+        for layer in plan
+        if layer.kind in ("linear", "conv")
+        for name in layer_keys(layer, full)
     }
     weights = {layer.weight for layer in plan if layer.kind in ("linear", "conv")}
     if (
         set(full) != names
         or not weights <= names
         or not params
-        or not _plain([*full.values(), data.x, data.batches, data.batch_mask])
-        or not _plain([] if loss.sample_weights is None else [loss.sample_weights])
-        or not _plain([] if loss.centroids is None else [loss.centroids, loss.centroid_weights])
+        or not all_plain([*full.values(), data.x, data.batches, data.batch_mask])
+        or not all_plain([] if loss.sample_weights is None else [loss.sample_weights])
+        or not all_plain([] if loss.centroids is None else [loss.centroids, loss.centroid_weights])
         or not _fits(plan, data.x.shape[1:])
         or ("head.weight" not in full and loss.cross_entropy)
     ):
@@ -143,7 +146,8 @@ def _moreau(loss: ModelLoss, optimizer: Optimizer) -> Proximal | None:
     return None
 
 
-def _keys(layer: Layer, params: Params) -> list[str]:
+def layer_keys(layer: Layer, params: Params) -> list[str]:
+    """The parameter names of ``layer`` (weight, bias) that ``params`` holds."""
     return [k for k in (layer.weight, layer.bias) if k in params]
 
 
@@ -205,7 +209,7 @@ def _run(
     empty = data.x.new_empty(0)
     # The trained parameters, in the kernel's layout, are views of one flat vector, so that the
     # regularizers cost one operation per step however many tensors the model has.
-    order = [k for layer in plan for k in _keys(layer, params)]
+    order = [k for layer in plan for k in layer_keys(layer, params)]
     flat, views = flat_views(plan, order, params)
     held = {k: _kernel_layout(plan, k, v).contiguous() for k, v in loss.fixed.items()}
     full = {**held, **views}
@@ -232,7 +236,7 @@ def _run(
         log_probs, distances, dots, alignments = compiled(_steps)(
             loss.cross_entropy,
             [layer.kind for layer in plan],
-            [_settings(layer) for layer in plan],
+            [layer_settings(layer) for layer in plan],
             [full.get(layer.weight, empty) for layer in plan],
             [full.get(layer.bias, empty) for layer in plan],
             [[layer.bias in full, layer.weight in views, layer.bias in views] for layer in plan],
@@ -258,7 +262,7 @@ def _run(
             torch.finfo(target.dtype).min,
             lr,
             1 - lr * (strength + weight_decay),
-            min(i for i, layer in enumerate(plan) if set(_keys(layer, params))),
+            min(i for i, layer in enumerate(plan) if set(layer_keys(layer, params))),
         )
     values = torch.zeros(len(real), dtype=target.dtype)
     if loss.cross_entropy:
@@ -269,9 +273,9 @@ def _run(
         values = values - torch.stack(dots)
     if alignments:
         values = values + torch.stack(alignments) / 2  # each the sum of 2 w_s ||gap_s||^2
-    trained = _unflatten(plan, flat, views)
-    iterates = _unflatten(plan, iterate_sum, views) if sum_iterates else None
-    moved = (_unflatten(plan, moving, views), len(real)) if every > 0 else None
+    trained = unflatten(plan, flat, views)
+    iterates = unflatten(plan, iterate_sum, views) if sum_iterates else None
+    moved = (unflatten(plan, moving, views), len(real)) if every > 0 else None
     return trained, (total + values.sum()) / (count + len(values)), iterates, moved
 
 
@@ -341,7 +345,7 @@ def flat_views(
     return flat, views
 
 
-def _unflatten(plan: tuple[Layer, ...], vector: Tensor, views: Params) -> Params:
+def unflatten(plan: tuple[Layer, ...], vector: Tensor, views: Params) -> Params:
     """``vector``, laid out like the flat parameters whose views are ``views``, as a parameter
     dict in the model's layout."""
     out, offset = {}, 0
@@ -371,7 +375,7 @@ def _first_linear(plan: tuple[Layer, ...]) -> int:
     return -1
 
 
-def _settings(layer: Layer) -> list[int]:
+def layer_settings(layer: Layer) -> list[int]:
     """A layer's settings as integers: conv stride, padding, dilation; pool kernel, stride,
     padding, dilation, ceil mode; flatten start and end dimensions."""
     m = layer.module

@@ -26,13 +26,13 @@ import torch
 from torch import Tensor
 
 from pflego.fused import (
-    _keys,
-    _plain,
-    _settings,
-    _unflatten,
+    all_plain,
     flat_views,
+    layer_keys,
+    layer_settings,
     plain_plan,
     step_inputs,
+    unflatten,
 )
 from pflego.fused_passes import backward_pass, compiled, forward_pass
 from pflego.loss import ModelLoss
@@ -98,13 +98,13 @@ def fused_program(
     plan = plain_plan(loss, dict(points[0]), data)
     if plan is None or any(set(p) != set(points[0]) for p in points):
         return None
-    if not _plain([v for p in points for v in p.values()]) or not substeps:
+    if not all_plain([v for p in points for v in p.values()]) or not substeps:
         return None
     rows = sorted({s.row for s in substeps})
     position = {row: j for j, row in enumerate(rows)}
     index = torch.tensor(rows, dtype=torch.long)
     feed = step_inputs(plan, loss, data, data.batches[index], data.batch_mask[index])
-    order = [k for layer in plan for k in _keys(layer, points[0])]
+    order = [k for layer in plan for k in layer_keys(layer, points[0])]
     flats, views = zip(*(flat_views(plan, order, p) for p in points), strict=True)
     held = {k: v for k, v in loss.fixed.items()}
     full = [{**held, **v} for v in views]
@@ -114,7 +114,7 @@ def fused_program(
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
         log_probs, norms = compiled(_program)(
             [layer.kind for layer in plan],
-            [_settings(layer) for layer in plan],
+            [layer_settings(layer) for layer in plan],
             [[f.get(layer.weight, empty) for layer in plan] for f in full],
             [[f.get(layer.bias, empty) for layer in plan] for f in full],
             [
@@ -141,18 +141,18 @@ def fused_program(
             label_mask.unsqueeze(1),
             not bool(label_mask.all()),
             torch.finfo(feed.target.dtype).min,
-            min(i for i, layer in enumerate(plan) if set(_keys(layer, points[0]))),
+            min(i for i, layer in enumerate(plan) if set(layer_keys(layer, points[0]))),
         )
     targets = feed.target[[position[s.row] for s in substeps]]
     values = -(torch.stack(log_probs) * targets).sum((1, 2))
-    points = [_unflatten(plan, flat, v) for flat, v in zip(flats, views, strict=True)]
+    points = [unflatten(plan, flat, v) for flat, v in zip(flats, views, strict=True)]
     return Program(points, values, norms)
 
 
 def real_rows(data: ClientData) -> list[int] | None:
     """The rows of ``data``'s schedule that hold samples, or ``None`` when the schedule is
     tracked by autograd or wrapped by a ``torch.func`` transform (nothing fuses there)."""
-    if not _plain([data.batches, data.batch_mask]):
+    if not all_plain([data.batches, data.batch_mask]):
         return None
     return torch.nonzero(data.batch_mask.sum(-1) > 0).flatten().tolist()
 
