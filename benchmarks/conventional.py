@@ -18,8 +18,9 @@ step of ``alpha`` on a training minibatch before evaluation.
 PGFed (as the authors' code, with the exact per-j gradient of Eq. 11) keeps ``A = [a_ij]`` and the
 last cohort's full-batch gradients ``g_j`` and offsets ``mu (f_j(theta_j) - g_j^T theta_j)`` on the
 server; client i downloads them with its row ``a_i``, adds ``mu sum_j a_ij g_j`` to every minibatch
-gradient, takes a step of ``lam`` on ``a_i`` per minibatch, clips it at 0 after the round, and
-uploads its model, ``a_i``, its full-batch gradient and offset; it predicts with its own model.
+gradient, takes a step of ``lam`` on ``a_i`` per minibatch (the [M, P] matrix of the g_j times the
+model: the authors' code takes one product with the mean g_j there), clips it at 0 after the round,
+and uploads its model, ``a_i``, its full-batch gradient and offset; it predicts with its model.
 Heads are C-way (global labels), as in those libraries.
 
 Usage (from a source checkout): ``pflego bench --against conventional``; or
