@@ -18,9 +18,10 @@ step of ``alpha`` on a training minibatch before evaluation.
 PGFed (as the authors' code, with the exact per-j gradient of Eq. 11) keeps ``A = [a_ij]`` and the
 last cohort's full-batch gradients ``g_j`` and offsets ``mu (f_j(theta_j) - g_j^T theta_j)`` on the
 server; client i downloads them with its row ``a_i``, adds ``mu sum_j a_ij g_j`` to every minibatch
-gradient, takes a step of ``lam`` on ``a_i`` per minibatch (the [M, P] matrix of the g_j times the
-model: the authors' code takes one product with the mean g_j there), clips it at 0 after the round,
-and uploads its model, ``a_i``, its full-batch gradient and offset; it predicts with its model.
+gradient, takes the round's steps of ``lam`` on ``a_i`` at once after the loop (they need only the
+sum of the iterates; the authors' code takes one product with the mean g_j per minibatch instead),
+clips it at 0, and uploads its model, ``a_i``, its full-batch gradient and offset; it predicts with
+its model.
 Heads are C-way (global labels), as in those libraries.
 
 Usage (from a source checkout): ``pflego bench --against conventional``; or
@@ -262,17 +263,21 @@ class ConventionalFL:
         sizes = [p.numel() for p in local.parameters()]
         aux = (mu * a_i @ grads).split(sizes)  # g~_i, fixed for the round
         optimizer = torch.optim.SGD(local.parameters(), lr=self.lr)
+        iterate_sum, steps = torch.zeros_like(flat), 0
         local.train()
         for epoch in range(self.epochs):
             for x, y in self.loader(t, i, epoch):
                 optimizer.zero_grad()
                 self.loss(local(x), y).backward()
                 with torch.no_grad():
-                    theta = parameters_to_vector(local.parameters())
-                    a_i -= lam * (offsets + mu * grads @ theta)  # Eq. 11 for every j
+                    iterate_sum += parameters_to_vector(local.parameters())
                     for p, g in zip(local.parameters(), aux):
                         p.grad += g.view_as(p)
                 optimizer.step()
+                steps += 1
+        # Eq. 11 for every j at every step's point: a_i's steps add up to one step on the sum
+        # of the iterates (g~_i is fixed, so the iterates do not depend on a_i)
+        a_i -= lam * (steps * offsets + mu * grads @ iterate_sum)
         self.alpha_mat[i, ids] = a_i.clamp(min=0)  # upload a_i
         data = self.clients[i]
         local.zero_grad()
