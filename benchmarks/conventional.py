@@ -15,6 +15,13 @@ the mixture ``alpha v + (1 - alpha) w`` (one backward pass through both), and pr
 mixture; Per-FedAvg (first order) takes, per pair of minibatches, a step of ``alpha`` from a saved
 copy, the gradient there, and a step of ``lr`` with it from the saved copy, and personalizes by one
 step of ``alpha`` on a training minibatch before evaluation.
+PGFed (as the authors' code, with the exact per-j gradient of Eq. 11) keeps ``A = [a_ij]`` and the
+last cohort's full-batch gradients ``g_j`` and offsets ``mu (f_j(theta_j) - g_j^T theta_j)`` on the
+server; client i downloads them with its row ``a_i``, adds ``mu sum_j a_ij g_j`` to every minibatch
+gradient, takes the round's steps of ``lam`` on ``a_i`` at once after the loop (they need only the
+sum of the iterates; the authors' code takes one product with the mean g_j per minibatch instead),
+clips it at 0, and uploads its model, ``a_i``, its full-batch gradient and offset; it predicts with
+its model.
 Heads are C-way (global labels), as in those libraries.
 
 Usage (from a source checkout): ``pflego bench --against conventional``; or
@@ -33,9 +40,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, TensorDataset
 
-ALGORITHMS = ("fedavg", "fedper", "ditto", "pfedme", "apfl", "perfedavg")
+ALGORITHMS = ("fedavg", "fedper", "ditto", "pfedme", "apfl", "perfedavg", "pgfed")
 
 #: Defaults of the options the algorithms take (those of pflego's implementations).
 DEFAULTS = {
@@ -43,6 +51,7 @@ DEFAULTS = {
     "pfedme": {"lam": 15.0, "K": 5, "personal_lr": 0.09, "beta": 1.0},
     "apfl": {"alpha": 0.5},
     "perfedavg": {"alpha": 0.005},
+    "pgfed": {"mu": 0.1, "lam": 0.01},
 }
 
 #: ``sampler_for(round, client)`` -> the sample order of each local epoch (tests only).
@@ -103,6 +112,11 @@ class ConventionalFL:
     seed: int = 0
     sampler_for: SamplerFor | None = None
     personal: dict[int, object] = field(default_factory=dict)
+    #: PGFed's server: A (created with the first cohort), and the last cohort's and this
+    #: cohort's uploads ``(j, g_j, mu (f_j(theta_j) - g_j^T theta_j))``.
+    alpha_mat: Tensor | None = None
+    previous_uploads: list[tuple[int, Tensor, Tensor]] = field(default_factory=list)
+    uploads: list[tuple[int, Tensor, Tensor]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -146,9 +160,13 @@ class ConventionalFL:
         weights = sizes / sizes.sum()
         if self.algorithm in ("pfedme", "perfedavg"):
             weights = np.full(len(cohort), 1.0 / len(cohort))
+        if self.algorithm == "pgfed" and self.alpha_mat is None:
+            dtype = next(self.model.parameters()).dtype
+            self.alpha_mat = torch.full((len(self.clients),) * 2, 1 / len(cohort), dtype=dtype)
         uploads = []
         for i in cohort:
             uploads.append(getattr(self, f"_{self.algorithm}_client")(t, int(i)))
+        self.previous_uploads, self.uploads = self.uploads, []
         average = {k: sum(float(w) * u[k] for w, u in zip(weights, uploads)) for k in uploads[0]}
         state = self.model.state_dict()
         if self.algorithm == "pfedme":
@@ -234,6 +252,44 @@ class ConventionalFL:
                     p.copy_(w - self.lr * p.grad)
         return local.state_dict()
 
+    def _pgfed_client(self, t: int, i: int) -> dict[str, Tensor]:
+        mu, lam = self.options["mu"], self.options["lam"]
+        local = copy.deepcopy(self.model)
+        flat, previous = parameters_to_vector(local.parameters()), self.previous_uploads
+        ids = [j for j, _, _ in previous]  # download a_i and the last cohort's g_j and offsets
+        a_i = self.alpha_mat[i, ids].clone()
+        grads = torch.stack([g for _, g, _ in previous]) if ids else flat.new_zeros(0, len(flat))
+        offsets = torch.stack([o for _, _, o in previous]) if ids else flat.new_zeros(0)
+        sizes = [p.numel() for p in local.parameters()]
+        aux = (mu * a_i @ grads).split(sizes)  # g~_i, fixed for the round
+        optimizer = torch.optim.SGD(local.parameters(), lr=self.lr)
+        iterate_sum, steps = torch.zeros_like(flat), 0
+        local.train()
+        for epoch in range(self.epochs):
+            for x, y in self.loader(t, i, epoch):
+                optimizer.zero_grad()
+                self.loss(local(x), y).backward()
+                with torch.no_grad():
+                    iterate_sum += parameters_to_vector(local.parameters())
+                    for p, g in zip(local.parameters(), aux):
+                        p.grad += g.view_as(p)
+                optimizer.step()
+                steps += 1
+        # Eq. 11 for every j at every step's point: a_i's steps add up to one step on the sum
+        # of the iterates (g~_i is fixed, so the iterates do not depend on a_i)
+        a_i -= lam * (steps * offsets + mu * grads @ iterate_sum)
+        self.alpha_mat[i, ids] = a_i.clamp(min=0)  # upload a_i
+        data = self.clients[i]
+        local.zero_grad()
+        loss = self.loss(local(data.x_train), data.y_train)  # f_i and g_i at the final model
+        loss.backward()
+        with torch.no_grad():
+            grad = parameters_to_vector(p.grad for p in local.parameters())
+            offset = mu * (loss - grad @ parameters_to_vector(local.parameters()))
+        self.uploads.append((i, grad, offset))
+        self.personal[i] = local
+        return local.state_dict()
+
     # --- evaluation ---------------------------------------------------------------------------
 
     def client_model(self, i: int) -> nn.Module:
@@ -243,7 +299,7 @@ class ConventionalFL:
             if i in self.personal:
                 model.head.load_state_dict(self.personal[i])
             return model
-        if self.algorithm in ("ditto", "pfedme"):
+        if self.algorithm in ("ditto", "pfedme", "pgfed"):
             return self.personal.get(i, self.model)
         if self.algorithm == "apfl" and i in self.personal:
             alpha, model = self.options["alpha"], copy.deepcopy(self.model)

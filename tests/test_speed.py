@@ -4,6 +4,7 @@ profiles, and the conventional baseline's FedAvg being pflego's."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -18,6 +19,7 @@ from conftest import TINY
 import pflego.sim.metrics as evaluation
 from pflego import tree
 from pflego.algorithms.fedper import FedPer
+from pflego.algorithms.pgfed import PGFed
 from pflego.cli import main
 from pflego.config import load_config
 from pflego.data.stream import synthetic_stream
@@ -238,41 +240,72 @@ def conventional():
     return module
 
 
-def test_the_conventional_fedavg_is_pflegos_fedavg_on_the_same_batches():
-    """The baseline computes the same thing (so the bench compares speeds of equal work)."""
-    base = conventional()
-    settings = {**TINY, "algorithm": "fedavg", "batch_size": 4, "local_epochs": 2.0}
-    sim = Simulation(build_experiment(load_config({**settings, "backend": "fused"})), None)
+def conventional_beside(sim: Simulation, base, epochs: int, **options):
+    """``base``'s runner of ``sim``'s algorithm, from its initial model, on its minibatches."""
     model = sim.algorithm.model
     net = base.split_module(model.body, model.feature_dim, model.num_classes).double()
-    net.load_state_dict(sim.server["params"])
+    net.load_state_dict(tree.select(sim.server["params"], ("body", "head")))
 
     def orders(t, client):  # pflego's minibatches of (round t, client), epoch by epoch
         n = int(sim.train_pool.sizes[client])
         rng = minibatch_rng(sim.cfg.seed, t, client)
-        return [rng.permutation(n) for _ in range(2)]
+        return [rng.permutation(n) for _ in range(epochs)]
 
-    runner = base.ConventionalFL(
-        "fedavg",
+    return base.ConventionalFL(
+        sim.cfg.algorithm,
         net,
         [
             base.ClientSplit(s.x_train.double(), s.y_train, s.x_test.double(), s.y_test)
             for s in base.client_splits(sim.exp.data)
         ],
-        batch_size=4,
-        epochs=2,
-        lr=settings["client_lr"],
+        batch_size=sim.cfg.batch_size,
+        epochs=epochs,
+        lr=sim.cfg.client_lr,
+        options=options,
         sampler_for=orders,
     )
+
+
+def test_the_conventional_fedavg_is_pflegos_fedavg_on_the_same_batches():
+    """The baseline computes the same thing (so the bench compares speeds of equal work)."""
+    base = conventional()
+    settings = {**TINY, "algorithm": "fedavg", "batch_size": 4, "local_epochs": 2.0}
+    sim = Simulation(build_experiment(load_config({**settings, "backend": "fused"})), None)
+    runner = conventional_beside(sim, base, epochs=2)
     for t in range(2):
         runner.train_round(t, sim.cohort(t))
         sim.run_round(t)
     close(dict(runner.model.state_dict()), sim.server["params"], atol=1e-9)
     assert runner.evaluate()["test_acc"] == pytest.approx(sim.evaluate(2)["test_acc"])
     for name in base.ALGORITHMS:  # every baseline runs its rounds and evaluation
-        other = base.ConventionalFL(name, net, runner.clients, batch_size=4, lr=0.05)
+        other = base.ConventionalFL(name, runner.model, runner.clients, batch_size=4, lr=0.05)
         other.train_round(0, sim.cohort(0))
         assert 0 <= other.evaluate()["test_acc"] <= 1
+
+
+@pytest.mark.parametrize("backend", ["loop", "fused"])
+def test_the_conventional_pgfed_is_pflegos_pgfed_on_the_same_batches(backend):
+    """Three rounds, so that A's rows, g~_i and the offsets of the previous cohort all matter, with
+    a step on A (lam = 1) large enough that the clip at 0 does: the same global and personal
+    models, and the same A."""
+    base = conventional()
+    defaults = {f.name: f.default for f in dataclasses.fields(PGFed)}
+    assert base.DEFAULTS["pgfed"] == {k: defaults[k] for k in base.DEFAULTS["pgfed"]}
+    options = {**base.DEFAULTS["pgfed"], "lam": 1.0}
+    settings = {**TINY, "algorithm": "pgfed", "batch_size": 4, "local_epochs": 1.0}
+    config = load_config({**settings, "backend": backend, "options": options})
+    sim = Simulation(build_experiment(config), None)
+    runner = conventional_beside(sim, base, epochs=1, **options)
+    for t in range(3):
+        runner.train_round(t, sim.cohort(t))
+        sim.run_round(t)
+    close(dict(runner.model.state_dict()), sim.server["params"], atol=1e-9)
+    coefficients = sim.server["pgfed"]["A"]
+    torch.testing.assert_close(runner.alpha_mat, coefficients, atol=1e-12, rtol=1e-9)
+    assert (coefficients == 0).any() and (coefficients != coefficients[0, 0]).any()
+    for i in sim.cohort(2):  # the personal models theta_i
+        local = tree.strip_prefix("local.", sim.store.get(int(i)))
+        close(dict(runner.personal[int(i)].state_dict()), local, atol=1e-9)
 
 
 def test_profile_is_refused_where_it_would_time_nothing(tmp_path, capsys):
