@@ -11,6 +11,7 @@ from test_fused import client, setting
 
 from pflego.algorithms.apfl import APFL
 from pflego.algorithms.perfedavg import PerFedAvg
+from pflego.algorithms.pgfed import PGFed
 from pflego.local import fused_steps
 from pflego.optim import SGD, Momentum
 from pflego.sim.backends import fuses
@@ -117,3 +118,20 @@ def test_perfedavg_what_does_not_fuse_runs_autograd():
         assert counts.fused == 0 and counts.autograd > 0
         assert_same_update(reference, fused)
         assert not fuses(algorithm, params, state, data, CTX)
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv"])
+def test_pgfed_full_gradient_fused_equals_autograd(name):
+    """PGFed's upload g_i and f_i at the final model: one fused step on a row of every sample
+    gives the chunked autograd mean gradient and loss (label mask included)."""
+    model, params, x, y = setting(name)
+    data = client(x, y, 4, 1.0)
+    algorithm = PGFed(model=model)
+    grad, loss = algorithm.full_gradient(params, data)
+    with fused_steps() as counts:
+        fused_grad, fused_loss = algorithm.full_gradient(params, data)
+    assert (counts.fused, counts.autograd) == (1, 0)
+    assert fused_grad.keys() == grad.keys()
+    for k in grad:
+        torch.testing.assert_close(fused_grad[k], grad[k], atol=1e-10, rtol=1e-9, msg=k)
+    torch.testing.assert_close(fused_loss, loss, atol=1e-10, rtol=1e-9)

@@ -68,7 +68,8 @@ from torch.func import grad_and_value
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
-from pflego.local import train_steps, train_steps_summing_iterates
+from pflego.fused_bilevel import Substep, fused_program, real_rows
+from pflego.local import fused_or_none, train_steps, train_steps_summing_iterates
 from pflego.loss import ModelLoss, masked_cross_entropy
 from pflego.optim import OptState
 from pflego.tree import Params
@@ -275,7 +276,11 @@ class PGFed(Algorithm):
         return params, iterates, steps, opt_state
 
     def full_gradient(self, params: Params, data: ClientData) -> tuple[Params, Tensor]:
-        """``grad f_i`` and ``f_i``, the mean loss over all the client's samples, in chunks."""
+        """``grad f_i`` and ``f_i``, the mean loss over all the client's samples, in chunks (on
+        the ``fused`` backend, one fused step on them all: :meth:`fused_full_gradient`)."""
+        fused = fused_or_none(lambda: self.fused_full_gradient(params, data))
+        if fused is not None:
+            return fused
 
         def chunk_sum(p: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
             return (
@@ -292,6 +297,19 @@ class PGFed(Algorithm):
             total_grad, total = tree.add(total_grad, g), total + value
         n = data.mask.sum()
         return tree.scale(total_grad, 1 / n), total / n
+
+    def fused_full_gradient(self, params: Params, data: ClientData) -> tuple[Params, Tensor] | None:
+        """:meth:`full_gradient` as one fused substep on a schedule row of every sample, writing
+        the gradient into a second point (``g <- 0 g - (-1) grad``), or ``None`` where it does
+        not fuse."""
+        if not data.x.shape[0] or real_rows(data) is None:
+            return None
+        every = torch.arange(data.x.shape[0], device=data.x.device)
+        whole = data._replace(batches=every[None], batch_mask=data.mask[None])
+        points = [params, tree.zeros_like(params)]
+        substep = Substep(0, 1, -1.0, 0.0, 0)
+        fused = fused_program(ModelLoss(self.model, data.label_mask), points, whole, [substep])
+        return None if fused is None else (fused.points[1], fused.values[0])
 
     def predict(self, downlink: Params, state: ClientState, x: Tensor) -> Tensor:
         """The personalized model theta_i."""
