@@ -22,7 +22,8 @@ gradient, takes the round's steps of ``lam`` on ``a_i`` at once after the loop (
 sum of the iterates; the authors' code takes one product with the mean g_j per minibatch instead),
 clips it at 0, and uploads its model, ``a_i``, its full-batch gradient and offset; it predicts with
 its model.
-Heads are C-way (global labels), as in those libraries.
+Heads are C-way (global labels), as in those libraries. On a GPU (``device``) the model lives
+there and each minibatch moves there when it is used, as in PFLlib.
 
 Usage (from a source checkout): ``pflego bench --against conventional``; or
 
@@ -34,7 +35,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,6 +101,7 @@ class ConventionalFL:
         options: The algorithm's options (see :data:`DEFAULTS`).
         seed: Seeds the loaders' shuffling.
         sampler_for: Fixed sample orders instead of shuffling (tests compare with pflego).
+        device: Where the models train and evaluate (the data stays on the CPU).
     """
 
     algorithm: str
@@ -111,6 +113,7 @@ class ConventionalFL:
     options: dict = field(default_factory=dict)
     seed: int = 0
     sampler_for: SamplerFor | None = None
+    device: str = "cpu"
     personal: dict[int, object] = field(default_factory=dict)
     #: PGFed's server: A (created with the first cohort), and the last cohort's and this
     #: cohort's uploads ``(j, g_j, mu (f_j(theta_j) - g_j^T theta_j))``.
@@ -122,18 +125,27 @@ class ConventionalFL:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {self.algorithm!r}; choose one of {ALGORITHMS}")
         self.options = {**DEFAULTS.get(self.algorithm, {}), **self.options}
+        self.model = self.model.to(self.device)
         self.loss = nn.CrossEntropyLoss()
 
     # --- training -----------------------------------------------------------------------------
 
-    def loader(self, t: int, client: int, epoch: int) -> DataLoader:
+    def loader(self, t: int, client: int, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
+        """Client ``client``'s minibatches of local epoch ``epoch`` of round ``t``, on the device."""
         data = self.clients[client]
         dataset = TensorDataset(data.x_train, data.y_train)
         if self.sampler_for is not None:
             order = list(self.sampler_for(t, client)[epoch])
-            return DataLoader(dataset, batch_size=self.batch_size, sampler=order)
+            return self.on_device(DataLoader(dataset, batch_size=self.batch_size, sampler=order))
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + t * 10_007 + client)
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=True, generator=generator)
+        shuffled = DataLoader(
+            dataset, batch_size=self.batch_size, shuffle=True, generator=generator
+        )
+        return self.on_device(shuffled)
+
+    def on_device(self, batches: DataLoader) -> Iterator[tuple[Tensor, Tensor]]:
+        """Each ``(x, y)`` of ``batches`` moved to the device as it is used."""
+        return ((x.to(self.device), y.to(self.device)) for x, y in batches)
 
     def sgd_epochs(
         self, model: nn.Module, t: int, client: int, anchor: nn.Module | None = None
@@ -162,7 +174,9 @@ class ConventionalFL:
             weights = np.full(len(cohort), 1.0 / len(cohort))
         if self.algorithm == "pgfed" and self.alpha_mat is None:
             dtype = next(self.model.parameters()).dtype
-            self.alpha_mat = torch.full((len(self.clients),) * 2, 1 / len(cohort), dtype=dtype)
+            self.alpha_mat = torch.full(
+                (len(self.clients),) * 2, 1 / len(cohort), dtype=dtype, device=self.device
+            )
         uploads = []
         for i in cohort:
             uploads.append(getattr(self, f"_{self.algorithm}_client")(t, int(i)))
@@ -281,7 +295,8 @@ class ConventionalFL:
         self.alpha_mat[i, ids] = a_i.clamp(min=0)  # upload a_i
         data = self.clients[i]
         local.zero_grad()
-        loss = self.loss(local(data.x_train), data.y_train)  # f_i and g_i at the final model
+        x, y = data.x_train.to(self.device), data.y_train.to(self.device)
+        loss = self.loss(local(x), y)  # f_i and g_i at the final model
         loss.backward()
         with torch.no_grad():
             grad = parameters_to_vector(p.grad for p in local.parameters())
@@ -327,11 +342,13 @@ class ConventionalFL:
             model = self.client_model(i)
             model.eval()
             correct = total = 0
-            for x, y in DataLoader(TensorDataset(data.x_test, data.y_test), self.batch_size):
+            test = DataLoader(TensorDataset(data.x_test, data.y_test), self.batch_size)
+            for x, y in self.on_device(test):
                 correct += int((model(x).argmax(1) == y).sum())
                 total += len(y)
             loss_sum = 0.0
-            for x, y in DataLoader(TensorDataset(data.x_train, data.y_train), self.batch_size):
+            train = DataLoader(TensorDataset(data.x_train, data.y_train), self.batch_size)
+            for x, y in self.on_device(train):
                 loss_sum += float(self.loss(model(x), y)) * len(y)
             accuracies.append(correct / max(total, 1))
             losses.append(loss_sum / max(len(data.y_train), 1))
@@ -348,6 +365,8 @@ def time_rounds(
     for t, cohort in enumerate(cohorts, first_round):
         start = time.perf_counter()
         runner.train_round(t, cohort)
+        if torch.cuda.is_initialized():  # CUDA kernels run asynchronously: wait for them
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
     return seconds
 

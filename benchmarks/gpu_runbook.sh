@@ -122,6 +122,12 @@ smoke() {
     bench+=(--clients 50 --local-epochs 1 --methods fedavg,pgfed,pgfedmo,pgfed-ce)
   fi
   timed "CNN bench on $device ($cnn_dataset)" "$PY" benchmarks/pgfed_speed.py "${bench[@]}"
+  # 2b. On a GPU: pflego against the conventional loop on the device, with % of its matmul peak.
+  if [[ $device == cuda* ]]; then
+    timed "pflego bench --against conventional on $device" "$PY" -m pflego bench \
+      --against conventional --device "$device" --data-dir "$DATA" --models mlp pgfed-cnn \
+      --algorithms fedavg pfedme pgfed --against-rounds 3 --out "$smoke_out/bench-against.md"
+  fi
   # 3. On a GPU: each run-book preset's --quick version, where its data is present, so that
   # every model and command of the run-book has run once on the device before hours are spent.
   if [[ ${RUNBOOK_SMOKE_TINY:-0} != 1 ]]; then

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from pflego.bench import add_commands, run_bench, scale_row
 from pflego.bench.against import targets
+from pflego.cli import main
+from pflego.errors import ConfigError
 
 
 @pytest.mark.slow  # ~14 s: the default suite keeps the cheaper bench tests below
@@ -54,6 +57,16 @@ def test_bench_against_conventional_on_the_same_split(tmp_path) -> None:
     assert "train ≥5x" in report
     assert "model no-such-model is not registered here" in report
     assert "no-such-method is not registered here" in report
+
+
+def test_bench_device_is_the_against_sections_alone(capsys) -> None:
+    """--device moves only the comparison with the conventional way; asking it of a CPU-only
+    section, or naming a device that is not there, is a one-line error."""
+    with pytest.raises(ConfigError, match="applies to the against section only"):
+        run_bench(out=None, sections=["against", "tau"], device="cuda")
+    if not torch.cuda.is_available():
+        assert main(["bench", "--against", "conventional", "--device", "cuda"]) == 2
+        assert capsys.readouterr().err.strip().count("\n") == 0
 
 
 def test_bench_scale_row_runs_a_generated_population_in_a_fresh_process() -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,15 +88,15 @@ def conventional_module() -> Any:
     return module
 
 
-def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
-    """GFLOP/s of the best of ``repeats`` float32 ``size x size`` matrix products."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b  # warm-up
+def matmul_peak(device: str = "cpu", repeats: int = 5) -> float:
+    """GFLOP/s of the best of ``repeats`` float32 square matrix products on ``device`` (2048 x
+    2048 on a CPU, 8192 x 8192 on a GPU)."""
+    size = 2048 if torch.device(device).type == "cpu" else 8192
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
     best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
+    for _ in range(repeats + 1):  # the first is a warm-up
+        _, seconds = timed(lambda: a @ b)
+        best = min(best, seconds)
     return 2 * size**3 / best / 1e9
 
 
@@ -131,6 +130,7 @@ def against_row(
             lr=cfg.client_lr,
             options=options,
             seed=cfg.seed,
+            device=cfg.device,
         )
     cohorts = [sim.cohort(t) for t in range(rounds)]
     with FlopCounterMode(display=False) as counter:  # round 0 also warms both up (and probes)
@@ -181,11 +181,12 @@ def against_conventional(
     models: Sequence[str] = AGAINST_MODELS,
     algorithms: Sequence[str] = AGAINST_ALGORITHMS,
     seed: int = 0,
+    device: str = "cpu",
 ) -> tuple[list[str], list[list[str]], float]:
     """The comparison's notes (what was skipped), rows and the matmul peak (GFLOP/s) measured
-    first."""
+    first, on ``device``."""
     conventional = conventional_module()
-    peak = matmul_peak()
+    peak = matmul_peak(device)
     settings = {
         "dataset": pick_dataset(data_dir),
         "data_dir": data_dir,
@@ -198,6 +199,7 @@ def against_conventional(
         "rounds": rounds,
         "seed": seed,
         "algorithm": "fedavg",
+        "device": device,
     }
     cfg = load_config(settings)
     raw = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
@@ -222,25 +224,34 @@ def against_section(
     rounds: int,
     models: Sequence[str],
     algorithms: Sequence[str],
+    device: str = "cpu",
 ) -> list[str]:
-    """The Markdown of the comparison with the conventional way."""
+    """The Markdown of the comparison with the conventional way, run on ``device``."""
     notes, rows, peak = against_conventional(
-        data_dir, clients, participation, rounds=rounds, models=models, algorithms=algorithms
+        data_dir,
+        clients,
+        participation,
+        rounds=rounds,
+        models=models,
+        algorithms=algorithms,
+        device=device,
     )
+    where = f"{torch.get_num_threads()} thread(s)"
+    if torch.device(device).type == "cuda":
+        where = f"{torch.cuda.get_device_name(device)} ({device})"
     return [
         "## pflego against the conventional way (benchmarks/conventional.py)",
         "",
         f"{pick_dataset(data_dir)}, {clients} clients with 2 classes each, {participation:.0%} "
         "per round, batch 10, one local epoch, lr 0.01, the same split, seed, cohorts and initial "
-        f"model on both sides; {torch.get_num_threads()} thread(s), torch {torch.__version__}. "
+        f"model on both sides; {where}, torch {torch.__version__}. "
         f"Training: median of {rounds - 1} round(s) after a warm-up round; evaluation: every "
         f"client's training and test splits; accuracy after {rounds} rounds. GFLOP/round: the "
         "conventional round's matrix products (torch's FLOP counter; — where "
         "benchmarks/conventional.py lacks the algorithm). backend: what "
         "`--backend auto` picked (measured on the first round, src/pflego/sim/backends_auto.py).",
         "",
-        f"Matmul peak of this machine in this run: {peak:.0f} GFLOP/s "
-        f"(2048 x 2048 float32, {torch.get_num_threads()} thread(s)).",
+        f"Matmul peak of this machine in this run: {peak:.0f} GFLOP/s (float32, {where}).",
         "",
         markdown(AGAINST_HEADER, rows),
         *(["", *(f"- {n}" for n in notes)] if notes else []),

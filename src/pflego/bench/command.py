@@ -36,6 +36,7 @@ def _handler(args: argparse.Namespace) -> int:
         models=args.models,
         algorithms=args.algorithms,
         parallel_rounds=args.parallel_rounds,
+        device=args.device,
     )
     return 0
 
@@ -122,5 +123,11 @@ def add_commands(subparsers: Any) -> None:
         type=int,
         default=20,
         help="rounds of every run of the parallel section (reproduce main, 2 seeds)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the against section runs both sides, e.g. cuda or cuda:1 (the other sections "
+        "run on the CPU)",
     )
     parser.set_defaults(handler=_handler)

@@ -18,6 +18,8 @@ from pflego.bench.parallel import parallel_section
 from pflego.bench.scale import scale_section
 from pflego.bench.shared import Bench, pick_dataset
 from pflego.bench.tau import tau_section
+from pflego.config import load_config
+from pflego.errors import ConfigError
 
 SPEED_SECTIONS = ("backends", "tau", "memory")
 
@@ -37,6 +39,7 @@ def run_bench(
     models: Sequence[str] = AGAINST_MODELS,
     algorithms: Sequence[str] = AGAINST_ALGORITHMS,
     parallel_rounds: int = 20,
+    device: str = "cpu",
 ) -> str:
     """Run the benchmark and return (and optionally write) its Markdown report.
 
@@ -58,7 +61,22 @@ def run_bench(
         models: The comparison's models.
         algorithms: The comparison's algorithms.
         parallel_rounds: Rounds of every run of the ``parallel`` section.
+        device: Where the ``against`` section runs both sides (``cuda``: a GPU); the other
+            sections run on the CPU.
+
+    Raises:
+        ConfigError: ``device`` is not the CPU and a section other than ``against`` is asked
+            for, or the device is not there.
     """
+    if device != "cpu":
+        others = [s for s in sections if s != "against"]
+        if others:
+            raise ConfigError(
+                f"--device {device} applies to the against section only (--against "
+                f"conventional); the {', '.join(others)} section(s) run on the CPU: drop --device "
+                "for them"
+            )
+        load_config({"device": device})  # a one-line error where there is no such device
     if threads:
         torch.set_num_threads(threads)
     dataset = pick_dataset(data_dir)
@@ -69,7 +87,7 @@ def run_bench(
         parts += scale_section(clients, rounds, torch.get_num_threads())
     if "against" in sections:
         parts += against_section(
-            data_dir, clients, participation, against_rounds, models, algorithms
+            data_dir, clients, participation, against_rounds, models, algorithms, device
         )
     if any(s in SPEED_SECTIONS for s in sections):
         bench = Bench(dataset, data_dir, clients, participation)

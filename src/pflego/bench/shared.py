@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
+
 from pflego.algorithms import build_algorithm
 from pflego.config import load_config
 from pflego.data import load_dataset
@@ -57,9 +59,11 @@ class Bench:
 
 
 def timed(work: Callable[[], T]) -> tuple[T, float]:
-    """What ``work()`` returns, and the wall-clock seconds it took."""
+    """What ``work()`` returns, and the wall-clock seconds it took (its CUDA kernels included)."""
     start = time.perf_counter()
     result = work()
+    if torch.cuda.is_initialized():  # CUDA kernels run asynchronously: wait for them
+        torch.cuda.synchronize()
     return result, time.perf_counter() - start
 
 
