@@ -7,7 +7,7 @@ about one epoch: the fewer the epochs, the larger its share). Each method trains
 rounds untimed, then ``--rounds`` timed rounds; only the cohort's client updates are timed (the
 backend call of the round loop), and the images are those the clients really processed (local
 epochs x samples; on a GPU after waiting for its kernels). Methods whose local steps are plain
-gradient steps (APFL, Per-FedAvg) take them without momentum. Traffic comes from
+gradient steps (Per-FedAvg) take them without momentum. Traffic comes from
 :func:`pflego.comm.round_traffic`.
 Methods that are not registered are skipped and listed. Timings on a shared CPU are noisy: compare
 the relative column, and rerun on an idle machine for absolute numbers.
@@ -20,13 +20,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from pflego.algorithms import ALGORITHMS
+from pflego.bench.shared import timed
 from pflego.comm import round_traffic
 from pflego.config import load_config
 from pflego.sim import Simulation, build_experiment
@@ -53,12 +51,9 @@ class TimedBackend:
     timing: bool = field(default=False)
 
     def __call__(self, algorithm, downlink, states, cohort, ctx):
-        start = time.perf_counter()
-        result = self.backend(algorithm, downlink, states, cohort, ctx)
-        if torch.cuda.is_initialized():  # CUDA kernels run asynchronously: wait for them
-            torch.cuda.synchronize()
+        result, seconds = timed(lambda: self.backend(algorithm, downlink, states, cohort, ctx))
         if self.timing:
-            self.seconds += time.perf_counter() - start
+            self.seconds += seconds
             # Each real step sees its real batch entries: all the images the client processed.
             self.images += int(cohort.data.batch_mask.sum())
         return result
@@ -66,7 +61,7 @@ class TimedBackend:
 
 def measure(name: str, settings: dict, rounds: int, warmup: int = 1) -> dict:
     """Images per second of ``name``'s client updates and its traffic per sampled client."""
-    if ALGORITHMS[name].client_step != "optimizer":  # APFL, Per-FedAvg: plain gradient steps
+    if ALGORITHMS[name].client_step != "optimizer":  # Per-FedAvg: plain gradient steps
         settings = {**settings, "client_optimizer": "sgd"}
     sim = Simulation(build_experiment(load_config({**settings, "algorithm": name})), None)
     timed = TimedBackend(sim.backend)

@@ -68,7 +68,7 @@ from torch.func import grad_and_value
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
-from pflego.fused_bilevel import Substep, fused_program, real_rows
+from pflego.fused_bilevel import Substep, fused_program
 from pflego.local import fused_or_none, train_steps, train_steps_summing_iterates
 from pflego.loss import ModelLoss, masked_cross_entropy
 from pflego.optim import OptState
@@ -302,7 +302,7 @@ class PGFed(Algorithm):
         """:meth:`full_gradient` as one fused substep on a schedule row of every sample, writing
         the gradient into a second point (``g <- 0 g - (-1) grad``), or ``None`` where it does
         not fuse."""
-        if not data.x.shape[0] or real_rows(data) is None:
+        if not data.x.shape[0]:
             return None
         every = torch.arange(data.x.shape[0], device=data.x.device)
         whole = data._replace(batches=every[None], batch_mask=data.mask[None])

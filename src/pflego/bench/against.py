@@ -186,6 +186,8 @@ def against_conventional(
     """The comparison's notes (what was skipped), rows and the matmul peak (GFLOP/s) measured
     first, on ``device``."""
     conventional = conventional_module()
+    # float32 everywhere, as the peak: cuDNN would run the convolutions in TF32 by default
+    torch.backends.cudnn.allow_tf32 = False
     peak = matmul_peak(device)
     settings = {
         "dataset": pick_dataset(data_dir),

@@ -76,7 +76,13 @@ def run_bench(
                 f"conventional); the {', '.join(others)} section(s) run on the CPU: drop --device "
                 "for them"
             )
-        load_config({"device": device})  # a one-line error where there is no such device
+        try:
+            load_config({"device": device})
+        except ConfigError as error:  # the setting's message, in the flag's words
+            reason = str(error).split("; use ")[0]
+            raise ConfigError(
+                f"--device {device}: {reason}; drop --device to run on the CPU"
+            ) from None
     if threads:
         torch.set_num_threads(threads)
     dataset = pick_dataset(data_dir)
