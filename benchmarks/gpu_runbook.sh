@@ -40,13 +40,13 @@ SMOKE_ROUNDS=${RUNBOOK_SMOKE_ROUNDS:-2}
 DATA=${PFLEGO_DATA:-$HOME/.cache/pflego/data}
 
 # The run-book, in priority order: preset | blocks (- for all) | rows (- for all) |
-# estimated GPU hours | what it reproduces.
+# estimated GPU hours | what it reproduces [| further `pflego reproduce` arguments].
 RUNBOOK=(
   "pflego-omniglot|-|-|14|PFLEGO Table 2: 8 methods x 1000 rounds, conv4, 50 alphabets"
   "pgfed-cifar10|25|-|4|PGFed Tables 1-3, the 25-client block: 15 methods x 300 rounds"
   "fedem-table2|cifar10|-|15|FedEM Table 2, CIFAR-10: 7 methods x 200 rounds, MobileNet-v2"
   "fedem-table3|cifar10|-|20|FedEM Table 3, CIFAR-10: 10 methods x 200 rounds, MobileNet-v2"
-  "pflego-cifar10|-|-|7.5|PFLEGO Table 1, CIFAR-10: 3 methods x 3 blocks x 200 rounds"
+  "pflego-cifar10|-|-|13.5|PFLEGO Table 1, CIFAR-10: 3 methods x 3 blocks, each tuned on validation (8 points x 20 rounds), then 200 rounds|--tune --tune-rounds 20"
 )
 
 usage() {
@@ -57,7 +57,7 @@ field() { # field INDEX ENTRY: one |-separated field of a run-book entry
   local IFS='|'
   # shellcheck disable=SC2206
   local parts=($2)
-  printf '%s' "${parts[$1]}"
+  printf "%s" "${parts[$1]:-}"
 }
 
 build_command() { # build_command ENTRY DEVICE: CMD=the `pflego reproduce` line of an entry
@@ -76,6 +76,12 @@ build_command() { # build_command ENTRY DEVICE: CMD=the `pflego reproduce` line 
     CMD+=(--rows "$rows")
   fi
   CMD+=(--data-dir "$DATA" --out "$out" --quiet)
+  local extra
+  extra=$(field 5 "$1")
+  if [[ -n $extra ]]; then
+    # shellcheck disable=SC2206
+    CMD+=($extra)
+  fi
 }
 
 list() {

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pflego.algorithms import ALGORITHMS
+from pflego.cli import build_parser
 from pflego.experiments.presets import load_preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +66,7 @@ def test_the_dry_run_prints_one_resumable_reproduce_line_per_entry(tmp_path):
         if entry["blocks"] != "-":
             assert words[words.index("--blocks") + 1] == entry["blocks"]
         assert words[words.index("--out") + 1].startswith(str(tmp_path))  # fixed: reruns resume
+        build_parser().parse_args(words[words.index("reproduce") :])  # extra arguments included
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
 
 
