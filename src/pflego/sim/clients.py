@@ -318,7 +318,7 @@ class ClientPool:
     def padded(self, clients: np.ndarray) -> tuple[Tensor, Tensor, Tensor]:
         """The clients' inputs ``[C, n_max, ...]``, labels ``[C, n_max]`` and sample mask."""
         rows, valid = self.rows(clients)
-        return self.x[rows], self.y[rows], valid.to(self.x.dtype)
+        return take(self.x, rows), self.y[rows], valid.to(self.x.dtype)
 
     def select(self, clients: np.ndarray, keep: Callable[[int, int], np.ndarray] | None = None):
         """A pool of just ``clients`` (renumbered in that order; their rows copied).
@@ -388,6 +388,13 @@ class ClientPool:
         return Cohort(
             clients, self, self.schedules(clients, run, lambda i: rng_for(i, 0)), named, validation
         )
+
+
+def take(x: Tensor, rows: Tensor) -> Tensor:
+    """``x[rows]`` for an index tensor ``rows`` of any shape: one ``index_select`` of whole
+    rows, about twice as fast as advanced indexing with a 2-D index on a CPU."""
+    flat = x.reshape(len(x), -1).index_select(0, rows.reshape(-1))
+    return flat.view(*rows.shape, *x.shape[1:])
 
 
 #: Stores larger than this many bytes take memory page by page as rows are written.

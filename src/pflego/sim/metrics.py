@@ -31,7 +31,7 @@ from pflego.algorithms import Algorithm
 from pflego.data import FederatedData
 from pflego.data.stream import GeneratedClients
 from pflego.models import SplitModel, apply_layers
-from pflego.sim.clients import ClientPool
+from pflego.sim.clients import ClientPool, take
 from pflego.sim.generated import generated_pools
 from pflego.tree import Params
 from pflego.types import ClientData, ClientState, RoundContext
@@ -172,7 +172,7 @@ class SharedFeatures:
         if self.whole:
             if self.features is None:
                 self.features = self._body(self.pool.x)
-            return self.features[rows]
+            return take(self.features, rows)
         features = self._body(self.pool.x[rows[valid]])
         padded = features.new_zeros((*rows.shape, features.shape[-1]))
         padded[valid] = features
