@@ -12,7 +12,13 @@ from conftest import tiny_experiment
 
 from pflego.sim import Simulation, rounds
 from pflego.sim.backends import make_backend
-from pflego.sim.backends_auto import AutoBackend, candidates, predicted_round, truncated
+from pflego.sim.backends_auto import (
+    AutoBackend,
+    agreed_choice,
+    candidates,
+    predicted_round,
+    truncated,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -144,3 +150,32 @@ def test_without_probing_auto_follows_the_rule(monkeypatch) -> None:
     sim = Simulation(tiny_experiment(algorithm="fedavg"), None)
     assert not isinstance(sim.backend, AutoBackend) and sim.backend_name == "vmap"
     assert "backend_probe" not in sim.profile_summary()
+
+
+def predictions(**rounds: float) -> dict[str, dict[str, float]]:
+    return {name: {"predicted_round": seconds} for name, seconds in rounds.items()}
+
+
+def test_processes_agree_on_the_backend_whose_slowest_process_is_fastest() -> None:
+    # fused wins on the first process, vmap on the second; vmap's slowest (1.2) beats fused's (2.0)
+    measured = [predictions(fused=0.5, vmap=1.0), predictions(fused=2.0, vmap=1.2)]
+    assert agreed_choice(measured) == "vmap"
+    # a backend that failed on one process is out; none that ran everywhere: no choice
+    assert agreed_choice([predictions(fused=0.5, vmap=1.0), predictions(vmap=3.0)]) == "vmap"
+    assert agreed_choice([predictions(fused=0.5), predictions(vmap=3.0)]) is None
+
+
+def test_a_process_adopts_the_group_choice_and_waits_while_none_has_trained() -> None:
+    built: list[str] = []
+    auto = AutoBackend(["fused", "vmap"], lambda name: built.append(name) or name)
+    assert not auto.agree([(None, {}), (None, {})])  # nobody trained yet: ask again next round
+    auto.fix("fused")  # this process's own probe
+    auto.timings = predictions(fused=0.5, vmap=1.0)
+    assert auto.agree([("fused", auto.timings), ("vmap", predictions(fused=2.0, vmap=1.2))])
+    assert auto.chosen == "vmap" and built == ["fused", "vmap"]
+    assert auto.report()["predicted_round_of_the_slowest_process"] == {"fused": 2.0, "vmap": 1.2}
+    idle = AutoBackend(["fused", "vmap"], lambda name: name)  # no share of the first cohort
+    assert idle.agree([("fused", predictions(fused=0.5, vmap=1.0)), (None, {})])
+    assert idle.chosen == "fused" and "agreed by the processes" in idle.reason
+    settled = AutoBackend(["fused", "vmap"], lambda name: name, settled="sure")
+    assert settled.agree([("fused", {}), ("fused", {})]) and settled.chosen == "fused"

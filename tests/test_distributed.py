@@ -178,6 +178,21 @@ def test_a_checkpoint_resumes_under_another_process_count(name, two):
     assert_same_run(one[f"{name}-3"], root / f"{name}-2to1")
 
 
+@pytest.mark.slow  # two spawned processes: ~15 s
+def test_the_processes_probe_auto_and_agree_on_one_backend(tmp_path, monkeypatch):
+    """With the probe on (the suite switches it off), each process measures its share of the
+    first cohort and all settle on one backend; the numbers are still those of one process."""
+    monkeypatch.setenv("PFLEGO_BACKEND_PROBE", "1")  # the spawned processes inherit it
+    name = "moon"  # its local steps do not all fuse: auto measures fused against vmap
+    run(settings(name, rounds=3), tmp_path, progress=False, profile=True, nproc=2, threads=1)
+    probe = json.loads((tmp_path / "profile.json").read_text())["backend_probe"]
+    slowest = probe["predicted_round_of_the_slowest_process"]
+    assert set(slowest) == {"fused", "vmap"} and probe["chosen"] == min(slowest, key=slowest.get)
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert checkpoint["backend"] == probe["chosen"]
+    assert_same_run(one_process(name, rounds=3), tmp_path)
+
+
 def test_the_store_splits_by_owner_and_merges_back():
     store = {
         "rows": torch.tensor([0, 2, 3, 6]),

@@ -12,6 +12,11 @@ round (``vmap`` pads every client to the cohort's most steps; the others run eac
 The fastest prediction wins, and runs the round; the choice then holds for the run (a checkpoint
 stores it, so a resumed run keeps it).
 
+In a distributed run every process probes on its own share of the first cohort it trains; at
+the end of that round the processes agree (:func:`agreed_choice`): each backend's prediction is
+its slowest process's (the round waits for that one), the least such wins, and every process
+trains with it from the next round on (that first round, each used its own choice).
+
 The probe works on copies of the downlink and states and restores torch's, NumPy's and Python's
 global random generators afterwards, so a run's numbers are those of naming the chosen backend
 explicitly. Setting the environment variable ``PFLEGO_BACKEND_PROBE=0`` skips it: ``auto`` then
@@ -20,6 +25,7 @@ follows the rule (reproducible choices, no timing).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -196,6 +202,20 @@ class AutoBackend:
             return self.names[0]
         return min(self.timings, key=lambda n: self.timings[n]["predicted_round"])
 
+    def agree(self, reports: Sequence[tuple[str | None, dict[str, dict[str, float]]]]) -> bool:
+        """Adopt the choice of a group of processes from each one's ``(chosen, timings)``
+        (this one's among them); ``False`` while none has chosen yet (none trained)."""
+        chosen = [name for name, _ in reports if name is not None]
+        if not chosen:
+            return False
+        measured = [timings for _, timings in reports if timings]
+        name = agreed_choice(measured) if measured else None
+        self.group_predictions = {n: slowest(measured, n) for n in measured[0]} if measured else {}
+        name = name or chosen[0]  # no timings: the rule's or the checkpoint's choice, or all failed
+        if name != self.chosen:
+            self.fix(name, "agreed by the processes")
+        return True
+
     def summary(self) -> str:
         """One line for the run's log: the choice and each candidate's predicted round."""
         timed = ", ".join(
@@ -216,9 +236,26 @@ class AutoBackend:
         rounded = {n: {k: round(v, 6) for k, v in t.items()} for n, t in self.timings.items()}
         out: dict[str, Any] = {"chosen": self.chosen, "candidates": self.names}
         out |= {"timings": rounded, "probe_seconds": round(self.probe_seconds, 4)}
+        if getattr(self, "group_predictions", None):
+            slow = {n: round(v, 6) for n, v in self.group_predictions.items()}
+            out["predicted_round_of_the_slowest_process"] = slow
         if not self.timings and self.reason:
             out["not_probed"] = self.reason
         return out | ({"failed": self.failed} if self.failed else {})
+
+
+def slowest(measured: Sequence[dict[str, dict[str, float]]], name: str) -> float:
+    """Backend ``name``'s predicted round on the slowest process (infinite where one of them
+    could not run it)."""
+    return max(t[name]["predicted_round"] if name in t else math.inf for t in measured)
+
+
+def agreed_choice(measured: Sequence[dict[str, dict[str, float]]]) -> str | None:
+    """The backend whose slowest process predicts the shortest round, over the processes'
+    probe timings (``None`` when no backend ran on all of them)."""
+    names = list(dict.fromkeys(n for timings in measured for n in timings))
+    best = min(names, key=lambda n: slowest(measured, n), default=None)
+    return best if best is not None and math.isfinite(slowest(measured, best)) else None
 
 
 #: Why ``auto`` does not probe when the rule is sure of ``fused``.

@@ -108,14 +108,11 @@ class Simulation(Evaluation):
     def run_schedule(self) -> Schedule:
         return Schedule(self.cfg.inner_steps, self.cfg.batch_size, self.cfg.local_epochs)
 
-    #: Whether ``auto`` may measure backends (a distributed run's processes must agree instead).
-    probes_backends = True
-
     def pick_backend(self) -> Backend:
         """The configured backend; ``auto`` measures its candidates on the first round it runs
         (:mod:`pflego.sim.backends_auto`), or without probing follows :func:`resolve_backend`."""
         cfg = self.cfg
-        if cfg.backend == "auto" and self.probes_backends and probing_enabled():
+        if cfg.backend == "auto" and probing_enabled():
             fuses = self.device.type == "cpu" and self.fusion_probe()
             return auto_backend(self.algorithm, self.device, cfg.chunk_size, fuses)
         name = resolve_backend(cfg.backend, self.device, self.fusion_probe)

@@ -25,6 +25,7 @@ from torch import Tensor
 from pflego.algorithms import Algorithm
 from pflego.errors import ConfigError, PflegoError
 from pflego.history import RunDir
+from pflego.sim.backends_auto import AutoBackend
 from pflego.sim.build import Experiment
 from pflego.sim.checkpoints import load_state
 from pflego.sim.clients import ClientStore
@@ -41,11 +42,9 @@ UPLOAD, METRIC, STATE, WEIGHT, FINITE = "upload:", "metric:", "state:", "weight"
 class ShardedSimulation(Simulation):
     """A :class:`Simulation` whose clients are shared out among the processes of ``group``.
 
-    Rank 0 gets the run directory and writes it; the others write nothing. ``auto`` follows
-    its rule rather than timings, which could differ between the processes.
+    Rank 0 gets the run directory and writes it; the others write nothing. ``auto`` probes on
+    every process, which then agree on one backend (:meth:`AutoBackend.agree`).
     """
-
-    probes_backends = False
 
     def __init__(
         self,
@@ -64,6 +63,8 @@ class ShardedSimulation(Simulation):
         #: Clients keep no state (FedAvg...): a round's members are shared out by their position
         #: in the cohort, evenly, rather than by owner.
         self.stateless = not first_visit and not self.algorithm.mixes
+        #: Whether the processes still have to agree on ``auto``'s backend.
+        self.agreeing = isinstance(self.backend, AutoBackend)
 
     def owned(self, clients: np.ndarray) -> np.ndarray:
         return self.group.owned(clients)
@@ -92,6 +93,9 @@ class ShardedSimulation(Simulation):
         except PflegoError as exc:  # raised on every rank, by the gathering
             error = exc
         out, finite, gathered = unpacked(self.group.rows(part, trainers, self.device, error))
+        if self.agreeing:
+            auto = self.backend
+            self.agreeing = not auto.agree(self.group.all_objects((auto.chosen, auto.timings)))
         if self.stateless:
             if gathered:
                 raise RuntimeError(
