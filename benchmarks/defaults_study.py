@@ -131,12 +131,20 @@ GRIDS: dict[str, list[str]] = {
     ],
     "fedavg": [CLIENT_LR],
     "fedper": [CLIENT_LR],
+    # its first grid (0.0001-0.01 around the old 0.001) chose its top, 0.01; each extension
+    # chose its edge again (0.1, then alpha 0.03), so the grid grew until the choice was inside
+    # (new points last, so that the finished ones keep their directories)
+    "perfedavg": [
+        "client_lr+options.alpha=0.001/0.005,0.003/0.005,0.01/0.005,0.03/0.005,0.1/0.005,"
+        "0.01/0.003,0.01/0.01,0.3/0.005,1.0/0.005,0.1/0.01,0.1/0.03,0.1/0.1,0.3/0.03,0.03/0.03"
+    ],
 }
 
 #: PFLEGO's defaults before the first sitting changed them (the others' are read from the
 #: registry when an algorithm's first cell runs, and kept in study.json).
 OLD_DEFAULTS: dict[str, dict[str, Any]] = {
     "pflego": {"client_lr": 1.0, "server_optimizer": "sgd", "server_lr": 1.0},
+    "perfedavg": {"client_lr": 0.001, "options": {"alpha": 0.005}},
 }
 
 #: Step sizes of an algorithm's own besides ``client_lr`` (an option of its dataclass), tuned

@@ -21,6 +21,7 @@ from conftest import TINY, VERIFY_LOCAL
 from data_formats import idx_bytes, mnist_arrays, write_cifar10, write_emnist_zip, write_idx_set
 
 from pflego.algorithms import ALGORITHMS
+from pflego.algorithms.base import Algorithm
 from pflego.cli import build_parser, main
 from pflego.config import load_config
 from pflego.data import DATASETS, ArrayDataset, download, load_dataset, register
@@ -548,10 +549,13 @@ def test_run_help_shows_the_default_step_sizes(capsys):
     code, out, _ = run_cli(capsys, "run", "--help")
     assert code == 0
     shown = " ".join(out.split())  # argparse wraps the help's lines
-    pflego = ALGORITHMS["pflego"]
-    for key, value in (
-        ("client_lr", pflego.default_client_lr),
-        ("server_lr", pflego.default_server_lr),
-    ):
-        assert f"pflego {value:g}" in step_size_default(key)
-        assert step_size_default(key) in shown
+    for key in ("client_lr", "server_lr"):
+        text = step_size_default(key)
+        assert text in shown
+        library = getattr(Algorithm, f"default_{key}")
+        assert f"others {library:g}" in text
+        for name, cls in ALGORITHMS.items():  # each one's own value named, the others' not
+            value = getattr(cls, f"default_{key}")
+            named = f": {name} " in text or f", {name} " in text
+            assert named == (value != library), (key, name)
+            assert not named or f"{name} {value:g}" in text

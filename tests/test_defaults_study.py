@@ -49,9 +49,11 @@ def test_grids_hold_the_default_and_cross_a_second_step_size(study_module):
     key, _, values = pfedme.partition("=")
     assert key == "client_lr+options.personal_lr"
     pairs = [tuple(float(v) for v in item.split("/")) for item in values.split(",")]
-    assert (0.005, 0.09) in pairs  # the defaults themselves
-    assert {b for a, b in pairs if a != 0.005} == {0.09}  # client_lr moves at personal_lr's default
-    assert {a for a, b in pairs if b != 0.09} == {0.005}  # and personal_lr at client_lr's
+    default = study_module.current_default("pfedme")
+    lr, personal = default["client_lr"], default["options"]["personal_lr"]
+    assert (lr, personal) in pairs  # the defaults themselves
+    assert {b for a, b in pairs if a != lr} == {personal}  # client_lr moves at personal_lr's
+    assert {a for a, b in pairs if b != personal} == {lr}  # and personal_lr at client_lr's
     assert study_module.decimal(0.0001) == "0.0001" and study_module.decimal(1.0) == "1.0"
 
 

@@ -47,8 +47,9 @@ class Algorithm:
     label_space: ClassVar[str] = "global"
     #: Step sizes used when the config leaves ``client_lr`` / ``server_lr`` unset (with the default
     #: SGD optimizers), so ``pflego run`` and ``pflego compare`` agree; presets may override them.
-    #: Chosen across settings by benchmarks/defaults_study.py (docs/defaults.md).
-    default_client_lr: ClassVar[float] = 0.05
+    #: Chosen across settings by benchmarks/defaults_study.py (docs/defaults.md): 0.3 had the
+    #: least worst-case regret for most methods; those it did not suit set their own.
+    default_client_lr: ClassVar[float] = 0.3
     default_server_lr: ClassVar[float] = 1.0
     #: False for an algorithm whose ``client_update`` cannot run under ``torch.func.vmap``; the
     #: simulator then uses the loop backend for it.

@@ -53,6 +53,7 @@ class FedBABU(FixedHead):
     shared: ClassVar[tuple[str, ...]] = ("body",)
     personal: ClassVar[tuple[str, ...]] = ()
     label_space: ClassVar[str] = "global"
+    default_client_lr: ClassVar[float] = 0.05  # the defaults study's choice (0.3: 17% below)
 
     def __post_init__(self) -> None:
         if self.fixed_head not in HEADS:

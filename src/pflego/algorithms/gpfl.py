@@ -124,6 +124,7 @@ class GPFL(Algorithm):
 
     shared: ClassVar[tuple[str, ...]] = SHARED
     personal: ClassVar[tuple[str, ...]] = ("head", "gpfl")
+    default_client_lr: ClassVar[float] = 0.05  # the defaults study's choice (0.3: 28% below)
 
     def __post_init__(self) -> None:
         if not self.lam >= 0:

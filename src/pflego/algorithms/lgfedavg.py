@@ -52,7 +52,6 @@ class LGFedAvg(FedPer):
     shared: ClassVar[tuple[str, ...]] = ("head",)
     personal: ClassVar[tuple[str, ...]] = ("body",)
     label_space: ClassVar[str] = "global"
-    default_client_lr: ClassVar[float] = 0.05  # the library's default, not FedPer's tuned one
 
     def init_params(self, seed: int, dtype: torch.dtype = torch.float32):
         """The global classifier (C-way head) only."""
