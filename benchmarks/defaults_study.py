@@ -121,6 +121,20 @@ SETTINGS: dict[str, dict[str, Any]] = {
     },
 }
 
+#: A convolutional network: the shared CIFAR-10 copy with the paper's CNN, 50 clients of K = 2
+#: classes, 10% a round, one epoch of batch 32 (10 rounds: a round costs about 10 CPU s here).
+SETTINGS["cifar10-cnn"] = {
+    "dataset": "cifar10",
+    "rounds": 10,
+    "data": True,
+    "partition": "classes",
+    "classes_per_client": 2,
+    "clients": 50,
+    "participation": 0.1,
+    "local_epochs": 1.0,
+    "batch_size": 32,
+}
+
 #: The grids of the first sitting (pflego, fedavg, fedper over the six settings); every other
 #: algorithm's grid is made by ``default_grid`` from its defaults.
 CLIENT_LR = "client_lr=0.01,0.03,0.1,0.3,1.0"
@@ -131,9 +145,10 @@ GRIDS: dict[str, list[str]] = {
     ],
     "fedavg": [CLIENT_LR],
     "fedper": [CLIENT_LR],
-    # its first grid (0.0001-0.01 around the old 0.001) chose its top, 0.01; each extension
-    # chose its edge again (0.1, then alpha 0.03), so the grid grew until the choice was inside
-    # (new points last, so that the finished ones keep their directories)
+    # its first grid (default_grid's, 0.0001-0.01 around the old 0.001, alpha crossed at 0.001)
+    # chose its top, 0.01; this one starts at 0.001 with alpha crossed at 0.01 (its runs made
+    # afresh), and grew twice more, new points last, as its choice reached an edge (0.1, then
+    # alpha 0.03) until the choice was inside
     "perfedavg": [
         "client_lr+options.alpha=0.001/0.005,0.003/0.005,0.01/0.005,0.03/0.005,0.1/0.005,"
         "0.01/0.003,0.01/0.01,0.3/0.005,1.0/0.005,0.1/0.01,0.1/0.03,0.1/0.1,0.3/0.03,0.03/0.03"
@@ -141,7 +156,8 @@ GRIDS: dict[str, list[str]] = {
 }
 
 #: PFLEGO's defaults before the first sitting changed them (the others' are read from the
-#: registry when an algorithm's first cell runs, and kept in study.json).
+#: registry when an algorithm's first cell runs, and kept in study.json: a study started afresh
+#: records today's defaults as the old ones).
 OLD_DEFAULTS: dict[str, dict[str, Any]] = {
     "pflego": {"client_lr": 1.0, "server_optimizer": "sgd", "server_lr": 1.0},
     "perfedavg": {"client_lr": 0.001, "options": {"alpha": 0.005}},

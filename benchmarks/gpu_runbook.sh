@@ -46,7 +46,7 @@ RUNBOOK=(
   "pgfed-cifar10|25|-|4|PGFed Tables 1-3, the 25-client block: 15 methods x 300 rounds"
   "fedem-table2|cifar10|-|15|FedEM Table 2, CIFAR-10: 7 methods x 200 rounds, MobileNet-v2"
   "fedem-table3|cifar10|-|20|FedEM Table 3, CIFAR-10: 10 methods x 200 rounds, MobileNet-v2"
-  "pflego-cifar10|-|-|13.5|PFLEGO Table 1, CIFAR-10: 3 methods x 3 blocks, each tuned on validation (8 points x 20 rounds), then 200 rounds|--tune --tune-rounds 20"
+  "pflego-cifar10|-|-|13.5|PFLEGO Table 1, CIFAR-10: 3 methods x 3 blocks, tuned, then 200 rounds|--tune --tune-rounds 20"
 )
 
 usage() {
@@ -77,20 +77,17 @@ build_command() { # build_command ENTRY DEVICE: CMD=the `pflego reproduce` line 
   fi
   CMD+=(--data-dir "$DATA" --out "$out" --quiet)
   local extra
-  extra=$(field 5 "$1")
-  if [[ -n $extra ]]; then
-    # shellcheck disable=SC2206
-    CMD+=($extra)
-  fi
+  read -ra extra <<<"$(field 5 "$1")" # split on spaces, never globbed
+  CMD+=("${extra[@]}")
 }
 
 list() {
   local n=0 entry
-  printf 'n\tpreset\tblocks\trows\tGPU hours (estimate)\twhat\n'
+  printf 'n\tpreset\tblocks\trows\tGPU hours (estimate)\twhat\targuments\n'
   for entry in "${RUNBOOK[@]}"; do
     n=$((n + 1))
-    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$n" "$(field 0 "$entry")" "$(field 1 "$entry")" \
-      "$(field 2 "$entry")" "$(field 3 "$entry")" "$(field 4 "$entry")"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$n" "$(field 0 "$entry")" "$(field 1 "$entry")" \
+      "$(field 2 "$entry")" "$(field 3 "$entry")" "$(field 4 "$entry")" "$(field 5 "$entry")"
   done
 }
 
@@ -143,15 +140,20 @@ smoke() {
   # 3. On a GPU: each run-book preset's --quick version, where its data is present, so that
   # every model and command of the run-book has run once on the device before hours are spent.
   if [[ ${RUNBOOK_SMOKE_TINY:-0} != 1 ]]; then
-    local entry preset shorter
+    local entry preset shorter extra
     for entry in "${RUNBOOK[@]}"; do
       preset=$(field 0 "$entry")
       shorter=()
       if [[ $preset == fedem-* ]]; then # MobileNet-v2, every client a full epoch: a tenth of it
         shorter=(--set local_epochs=0.1)
       fi
+      read -ra extra <<<"$(field 5 "$entry")" # the entry's own arguments, at 1 tuning round
+      if [[ ${#extra[@]} -gt 0 ]]; then
+        extra+=(--tune-rounds 1)
+      fi
       timed "$preset --quick on $device" "$PY" -m pflego reproduce "$preset" --quick \
-        --set device="$device" "${shorter[@]}" --data-dir "$DATA" --out "$smoke_out/$preset" --quiet
+        --set device="$device" "${shorter[@]}" "${extra[@]}" --data-dir "$DATA" \
+        --out "$smoke_out/$preset" --quiet
     done
   fi
   echo "smoke test passed on $device in $(($(date +%s) - start)) s; results in $smoke_out"

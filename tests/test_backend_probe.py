@@ -168,14 +168,32 @@ def test_processes_agree_on_the_backend_whose_slowest_process_is_fastest() -> No
 def test_a_process_adopts_the_group_choice_and_waits_while_none_has_trained() -> None:
     built: list[str] = []
     auto = AutoBackend(["fused", "vmap"], lambda name: built.append(name) or name)
-    assert not auto.agree([(None, {}), (None, {})])  # nobody trained yet: ask again next round
+    assert not auto.agree([(None, {}, False), (None, {}, False)])  # nobody trained: next round
     auto.fix("fused")  # this process's own probe
     auto.timings = predictions(fused=0.5, vmap=1.0)
-    assert auto.agree([("fused", auto.timings), ("vmap", predictions(fused=2.0, vmap=1.2))])
+    other = ("vmap", predictions(fused=2.0, vmap=1.2), True)
+    assert auto.agree([auto.report_for_group, other])
     assert auto.chosen == "vmap" and built == ["fused", "vmap"]
     assert auto.report()["predicted_round_of_the_slowest_process"] == {"fused": 2.0, "vmap": 1.2}
     idle = AutoBackend(["fused", "vmap"], lambda name: name)  # no share of the first cohort
-    assert idle.agree([("fused", predictions(fused=0.5, vmap=1.0)), (None, {})])
+    assert idle.agree([("fused", predictions(fused=0.5, vmap=1.0), True), idle.report_for_group])
     assert idle.chosen == "fused" and "agreed by the processes" in idle.reason
     settled = AutoBackend(["fused", "vmap"], lambda name: name, settled="sure")
-    assert settled.agree([("fused", {}), ("fused", {})]) and settled.chosen == "fused"
+    assert settled.agree([("fused", {}, False), ("fused", {}, False)]) and settled.chosen == "fused"
+
+
+def test_a_backend_that_failed_on_one_process_is_not_agreed_on() -> None:
+    auto = AutoBackend(["fused", "vmap"], lambda name: name)
+    auto.fix("fused")
+    auto.timings = predictions(fused=0.5, vmap=1.0)
+    # the other process ran vmap alone (fused failed there): vmap, though fused is faster here
+    assert auto.agree([auto.report_for_group, ("vmap", predictions(vmap=3.0), True)])
+    assert auto.chosen == "vmap"
+    slowest = auto.report()["predicted_round_of_the_slowest_process"]
+    assert slowest == {"fused": None, "vmap": 3.0}  # never infinite: profile.json is JSON
+    # a process whose every probe failed counts: no backend ran everywhere, the first choice holds
+    lone = AutoBackend(["fused", "vmap"], lambda name: name)
+    lone.fix("vmap")
+    lone.timings = predictions(fused=0.5, vmap=1.0)
+    assert lone.agree([lone.report_for_group, ("fused", {}, True)]) and lone.chosen == "vmap"
+    assert lone.report()["predicted_round_of_the_slowest_process"] == {"fused": None, "vmap": None}

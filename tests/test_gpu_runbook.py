@@ -67,6 +67,10 @@ def test_the_dry_run_prints_one_resumable_reproduce_line_per_entry(tmp_path):
             assert words[words.index("--blocks") + 1] == entry["blocks"]
         assert words[words.index("--out") + 1].startswith(str(tmp_path))  # fixed: reruns resume
         build_parser().parse_args(words[words.index("reproduce") :])  # extra arguments included
+        assert command.endswith(entry["arguments"])
+    assert next(e for e in listed if e["preset"] == "pflego-cifar10")["arguments"].startswith(
+        "--tune"
+    )
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
 
 

@@ -52,6 +52,7 @@ class LGFedAvg(FedPer):
     shared: ClassVar[tuple[str, ...]] = ("head",)
     personal: ClassVar[tuple[str, ...]] = ("body",)
     label_space: ClassVar[str] = "global"
+    default_client_lr: ClassVar[float] = 0.3  # the defaults study's choice
 
     def init_params(self, seed: int, dtype: torch.dtype = torch.float32):
         """The global classifier (C-way head) only."""

@@ -48,7 +48,7 @@ def targets(
 ) -> str:
     """The row's targets beside what it measured, each ✓ or ✗ (NaN, not measured: ✗); a missed
     speed-up target above its ceiling (the conventional run's FLOPs at the matmul peak) says so:
-    no implementation of the same arithmetic could meet it on this machine."""
+    by that estimate, no implementation of the same arithmetic would meet it on this machine."""
     train_goal = TRAIN_TARGETS.get((model, algorithm), TRAIN_TARGETS.get((model, None), 1.0))
     checks = [("train", train_goal, "x"), ("eval", EVAL_TARGET, "x")]
     if (model, algorithm) in PEAK_TARGETS:
@@ -168,7 +168,7 @@ def against_row(
     # pflego's own round 0 would count its probe and vmap's padding: no FLOPs without the other
     flops = counter.get_total_flops() if runner is not None else math.nan
     eval_flops = eval_counter.get_total_flops() if runner is not None else math.nan
-    at_peak = lambda count: count / 1e9 / peak  # noqa: E731  seconds at the matmul peak
+    at_peak = lambda count: count / 1e9 / peak if count else math.nan  # noqa: E731  seconds
     percent = 100 * at_peak(flops) / train_ours
     measured = {
         "train": train_conv / train_ours,

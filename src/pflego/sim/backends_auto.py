@@ -143,6 +143,8 @@ class AutoBackend:
         self.timings: dict[str, dict[str, float]] = {}
         self.failed: dict[str, str] = {}
         self.probe_seconds = 0.0
+        #: Each backend's predicted round on the slowest process of a distributed run.
+        self.group_predictions: dict[str, float] = {}
         self.reason = settled
         if settled:
             self.fix(self.names[0])
@@ -202,16 +204,25 @@ class AutoBackend:
             return self.names[0]
         return min(self.timings, key=lambda n: self.timings[n]["predicted_round"])
 
-    def agree(self, reports: Sequence[tuple[str | None, dict[str, dict[str, float]]]]) -> bool:
-        """Adopt the choice of a group of processes from each one's ``(chosen, timings)``
+    @property
+    def report_for_group(self) -> tuple[str | None, dict[str, dict[str, float]], bool]:
+        """What :meth:`agree` needs of this process: its choice, its timings, whether it probed
+        (a process whose every probe failed probed, with no timings)."""
+        return self.chosen, self.timings, bool(self.timings or self.failed)
+
+    def agree(
+        self, reports: Sequence[tuple[str | None, dict[str, dict[str, float]], bool]]
+    ) -> bool:
+        """Adopt the choice of a group of processes from each one's :attr:`report_for_group`
         (this one's among them); ``False`` while none has chosen yet (none trained)."""
-        chosen = [name for name, _ in reports if name is not None]
+        chosen = [name for name, _, _ in reports if name is not None]
         if not chosen:
             return False
-        measured = [timings for _, timings in reports if timings]
-        name = agreed_choice(measured) if measured else None
-        self.group_predictions = {n: slowest(measured, n) for n in measured[0]} if measured else {}
-        name = name or chosen[0]  # no timings: the rule's or the checkpoint's choice, or all failed
+        measured = [timings for _, timings, probed in reports if probed]
+        names = dict.fromkeys(n for timings in measured for n in timings)
+        self.group_predictions = {n: slowest(measured, n) for n in names}
+        # no timings anywhere: the rule's or the checkpoint's choice (or every probe failed)
+        name = agreed_choice(measured) or chosen[0]
         if name != self.chosen:
             self.fix(name, "agreed by the processes")
         return True
@@ -236,8 +247,11 @@ class AutoBackend:
         rounded = {n: {k: round(v, 6) for k, v in t.items()} for n, t in self.timings.items()}
         out: dict[str, Any] = {"chosen": self.chosen, "candidates": self.names}
         out |= {"timings": rounded, "probe_seconds": round(self.probe_seconds, 4)}
-        if getattr(self, "group_predictions", None):
-            slow = {n: round(v, 6) for n, v in self.group_predictions.items()}
+        if self.group_predictions:  # None: a process could not run that backend
+            slow = {
+                n: round(v, 6) if math.isfinite(v) else None
+                for n, v in self.group_predictions.items()
+            }
             out["predicted_round_of_the_slowest_process"] = slow
         if not self.timings and self.reason:
             out["not_probed"] = self.reason

@@ -95,7 +95,7 @@ class ShardedSimulation(Simulation):
         out, finite, gathered = unpacked(self.group.rows(part, trainers, self.device, error))
         if self.agreeing:
             auto = self.backend
-            self.agreeing = not auto.agree(self.group.all_objects((auto.chosen, auto.timings)))
+            self.agreeing = not auto.agree(self.group.all_objects(auto.report_for_group))
         if self.stateless:
             if gathered:
                 raise RuntimeError(
