@@ -121,20 +121,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
     },
 }
 
-#: A convolutional network: the shared CIFAR-10 copy with the paper's CNN, 50 clients of K = 2
-#: classes, 10% a round, one epoch of batch 32 (10 rounds: a round costs about 10 CPU s here).
-SETTINGS["cifar10-cnn"] = {
-    "dataset": "cifar10",
-    "rounds": 10,
-    "data": True,
-    "partition": "classes",
-    "classes_per_client": 2,
-    "clients": 50,
-    "participation": 0.1,
-    "local_epochs": 1.0,
-    "batch_size": 32,
-}
-
 #: The grids of the first sitting (pflego, fedavg, fedper over the six settings); every other
 #: algorithm's grid is made by ``default_grid`` from its defaults.
 CLIENT_LR = "client_lr=0.01,0.03,0.1,0.3,1.0"
