@@ -219,10 +219,9 @@ class AutoBackend:
         if not chosen:
             return False
         measured = [timings for _, timings, probed in reports if probed]
-        names = dict.fromkeys(n for timings in measured for n in timings)
-        self.group_predictions = {n: slowest(measured, n) for n in names}
+        self.group_predictions = slowest_rounds(measured)
         # no timings anywhere: the rule's or the checkpoint's choice (or every probe failed)
-        name = agreed_choice(measured) or chosen[0]
+        name = agreed_choice(self.group_predictions) or chosen[0]
         if name != self.chosen:
             self.fix(name, "agreed by the processes")
         return True
@@ -258,18 +257,19 @@ class AutoBackend:
         return out | ({"failed": self.failed} if self.failed else {})
 
 
-def slowest(measured: Sequence[dict[str, dict[str, float]]], name: str) -> float:
-    """Backend ``name``'s predicted round on the slowest process (infinite where one of them
-    could not run it)."""
-    return max(t[name]["predicted_round"] if name in t else math.inf for t in measured)
+def slowest_rounds(measured: Sequence[dict[str, dict[str, float]]]) -> dict[str, float]:
+    """Each backend's predicted round on the slowest of the processes' probe timings (infinite
+    where one of them could not run it)."""
+    names = dict.fromkeys(n for timings in measured for n in timings)
+    return {
+        n: max(t[n]["predicted_round"] if n in t else math.inf for t in measured) for n in names
+    }
 
 
-def agreed_choice(measured: Sequence[dict[str, dict[str, float]]]) -> str | None:
-    """The backend whose slowest process predicts the shortest round, over the processes'
-    probe timings (``None`` when no backend ran on all of them)."""
-    names = list(dict.fromkeys(n for timings in measured for n in timings))
-    best = min(names, key=lambda n: slowest(measured, n), default=None)
-    return best if best is not None and math.isfinite(slowest(measured, best)) else None
+def agreed_choice(slowest: dict[str, float]) -> str | None:
+    """The backend of the shortest slowest round (``None`` when none ran on every process)."""
+    best = min(slowest, key=slowest.__getitem__, default=None)
+    return best if best is not None and math.isfinite(slowest[best]) else None
 
 
 #: Why ``auto`` does not probe when the rule is sure of ``fused``.
