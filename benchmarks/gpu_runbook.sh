@@ -3,7 +3,7 @@
 # test to run first on any new GPU machine.
 #
 # Usage (from the repository root, pflego installed or PYTHONPATH=src):
-#   bash benchmarks/gpu_runbook.sh --smoke [DEVICE]    CUDA == CPU tests, every algorithm 2 rounds, the CNN bench
+#   bash benchmarks/gpu_runbook.sh --smoke [DEVICE]    CUDA == CPU tests, the speed benches, every algorithm 2 rounds
 #   bash benchmarks/gpu_runbook.sh --list              the run-book: preset, blocks, hours
 #   bash benchmarks/gpu_runbook.sh --dry-run [DEVICE]  print the run-book's commands, run nothing
 #   bash benchmarks/gpu_runbook.sh [DEVICE]            run the run-book, in priority order
@@ -23,6 +23,9 @@
 #   RUNBOOK_DEVICES  devices given to the jobs round-robin (default DEVICE), e.g. cuda:0,cuda:1
 #   RUNBOOK_PYTHON   the Python that has pflego (default python)
 #   RUNBOOK_SMOKE_ROUNDS  rounds of each smoke run (default 2)
+#   RUNBOOK_SMOKE_BUDGET  seconds for the whole smoke test (default 0: no limit); each part also
+#                    has its own limit under a budget, and what the budget leaves out is
+#                    reported as skipped (a device lent for 15 minutes: 540 fits one call)
 #   RUNBOOK_SMOKE_TINY=1  the smoke test sized for a CPU (about 5 minutes on 2 shared cores): the
 #                    CNN bench on mnist5k, a few clients and a fraction of an epoch, and no
 #                    --quick of the run-book presets
@@ -37,6 +40,7 @@ PY=${RUNBOOK_PYTHON:-python}
 OUT=${RUNBOOK_OUT:-runs/gpu}
 JOBS=${RUNBOOK_JOBS:-1}
 SMOKE_ROUNDS=${RUNBOOK_SMOKE_ROUNDS:-2}
+SMOKE_BUDGET=${RUNBOOK_SMOKE_BUDGET:-0}
 DATA=${PFLEGO_DATA:-$HOME/.cache/pflego/data}
 
 # The run-book, in priority order: preset | blocks (- for all) | rows (- for all) |
@@ -100,25 +104,60 @@ timed() { # timed LABEL COMMAND...: run a command and say how long it took
   echo "== $label: done in $(($(date +%s) - start)) s"
 }
 
+SMOKE_FAILED=()
+part() { # part LIMIT LABEL COMMAND...: one smoke part, within LIMIT seconds and the budget left
+  local limit=$1 label=$2 begin rc=0
+  shift 2
+  if ((SMOKE_BUDGET > 0)); then
+    local left=$((SMOKE_BUDGET - ($(date +%s) - SMOKE_START)))
+    ((left < limit)) && limit=$left
+    if ((limit < 10)); then
+      echo "== $label: skipped, the smoke budget of $SMOKE_BUDGET s is spent"
+      SMOKE_FAILED+=("$label (skipped)")
+      return
+    fi
+  else
+    limit=0 # no budget: no limit (timeout 0 never stops the command)
+  fi
+  begin=$(date +%s)
+  echo "== $label: $*"
+  timeout "$limit" "$@" || rc=$?
+  echo "== $label: rc $rc in $(($(date +%s) - begin)) s"
+  ((rc == 0)) || SMOKE_FAILED+=("$label (rc $rc$( ((rc == 124)) && echo ', out of time'))")
+}
+
 smoke() {
-  local device=$1 start cnn_dataset smoke_out="$OUT/smoke"
-  start=$(date +%s)
+  local device=$1 cnn_dataset smoke_out="$OUT/smoke" model
+  SMOKE_START=$(date +%s)
   rm -rf "$smoke_out" # a smoke test starts afresh every time
+  mkdir -p "$smoke_out"
+  # The parts come in priority order, so that a short lease spends its minutes on what matters
+  # most: correctness first, then the measurements that have never been made on that device.
   # 0. On a GPU: every algorithm's two rounds on CUDA against the CPU (float64, to 1e-8); needs
   # pytest and the source checkout's tests/.
   if [[ $device == cuda* ]]; then
     if [[ -f tests/test_fast_sim.py ]] && "$PY" -c "import pytest" 2>/dev/null; then
-      timed "every algorithm, CUDA == CPU" "$PY" -m pytest -q -p no:cacheprovider \
-        tests/test_fast_sim.py -k cuda
+      local workers=()
+      if "$PY" -c "import xdist" 2>/dev/null; then workers=(-n 8); fi
+      part 120 "every algorithm, CUDA == CPU" "$PY" -m pytest -p no:cacheprovider -rs \
+        tests/test_fast_sim.py -k cuda "${workers[@]}"
     else
       echo "== every algorithm, CUDA == CPU: skipped (needs pytest and a source checkout)"
     fi
+    # 1. pflego against the conventional loop on the device, with % of its matmul peak: one
+    # model per call, so that a model that runs out of time leaves the other's table; each row
+    # is printed as it finishes.
+    for model in mlp pgfed-cnn; do
+      part 150 "pflego bench --against conventional, $model on $device" "$PY" -m pflego bench \
+        --against conventional --device "$device" --data-dir "$DATA" --models "$model" \
+        --algorithms fedavg pfedme pgfed --against-rounds 3 --out "$smoke_out/bench-against-$model.md"
+    done
+    # 2. What one client's CNN step reaches there: eager, TF32, channels-last, a CUDA graph,
+    # torch.compile.
+    part 120 "one CNN step, eager vs CUDA graph vs torch.compile" "$PY" benchmarks/cuda_step.py \
+      --models pgfed-cnn mobilenet-v2
   fi
-  # 1. Every registered algorithm (the leaderboard holds them all), 2 rounds, on the device.
-  timed "every algorithm, $SMOKE_ROUNDS rounds on $device" \
-    "$PY" -m pflego reproduce leaderboard-mnist --quick --offline --rounds "$SMOKE_ROUNDS" \
-    --set device="$device" --out "$smoke_out/leaderboard" --quiet
-  # 2. The CNN bench: client training speed of the PGFed CNN, FedAvg vs PGFed (Table 7's setting
+  # 3. The CNN bench: client training speed of the PGFed CNN, FedAvg vs PGFed (Table 7's setting
   # on CIFAR-10 where its files are present, else on the built-in mnist5k).
   cnn_dataset=mnist5k
   if [[ -d $DATA/cifar-10-batches-py && ${RUNBOOK_SMOKE_TINY:-0} != 1 ]]; then
@@ -130,14 +169,12 @@ smoke() {
   else
     bench+=(--clients 50 --local-epochs 1 --methods fedavg,pgfed,pgfedmo,pgfed-ce)
   fi
-  timed "CNN bench on $device ($cnn_dataset)" "$PY" benchmarks/pgfed_speed.py "${bench[@]}"
-  # 2b. On a GPU: pflego against the conventional loop on the device, with % of its matmul peak.
-  if [[ $device == cuda* ]]; then
-    timed "pflego bench --against conventional on $device" "$PY" -m pflego bench \
-      --against conventional --device "$device" --data-dir "$DATA" --models mlp pgfed-cnn \
-      --algorithms fedavg pfedme pgfed --against-rounds 3 --out "$smoke_out/bench-against.md"
-  fi
-  # 3. On a GPU: each run-book preset's --quick version, where its data is present, so that
+  part 90 "CNN bench on $device ($cnn_dataset)" "$PY" benchmarks/pgfed_speed.py "${bench[@]}"
+  # 4. Every registered algorithm (the leaderboard holds them all), 2 rounds, on the device.
+  part 240 "every algorithm, $SMOKE_ROUNDS rounds on $device" \
+    "$PY" -m pflego reproduce leaderboard-mnist --quick --offline --rounds "$SMOKE_ROUNDS" \
+    --set device="$device" --out "$smoke_out/leaderboard" --quiet
+  # 5. On a GPU: each run-book preset's --quick version, where its data is present, so that
   # every model and command of the run-book has run once on the device before hours are spent.
   if [[ ${RUNBOOK_SMOKE_TINY:-0} != 1 ]]; then
     local entry preset shorter extra
@@ -151,12 +188,17 @@ smoke() {
       if [[ ${#extra[@]} -gt 0 ]]; then
         extra+=(--tune-rounds 1)
       fi
-      timed "$preset --quick on $device" "$PY" -m pflego reproduce "$preset" --quick \
+      part 300 "$preset --quick on $device" "$PY" -m pflego reproduce "$preset" --quick \
         --set device="$device" "${shorter[@]}" "${extra[@]}" --data-dir "$DATA" \
         --out "$smoke_out/$preset" --quiet
     done
   fi
-  echo "smoke test passed on $device in $(($(date +%s) - start)) s; results in $smoke_out"
+  local took=$(($(date +%s) - SMOKE_START))
+  if ((${#SMOKE_FAILED[@]} > 0)); then
+    echo "smoke test FAILED on $device in $took s: $(IFS=';'; echo "${SMOKE_FAILED[*]}"); results in $smoke_out"
+    return 1
+  fi
+  echo "smoke test passed on $device in $took s; results in $smoke_out"
 }
 
 run_book() { # run_book DEVICE [N]: every entry in order, or entry N alone

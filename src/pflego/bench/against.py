@@ -13,6 +13,7 @@ import importlib.util
 import math
 import sys
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -242,7 +243,15 @@ def against_conventional(
             if name not in REGISTRY:
                 notes.append(f"{name} is not registered here: skipped")
                 continue
-            rows.append(against_row(conventional, base, model, name, rounds))
+            row, seconds = timed(partial(against_row, conventional, base, model, name, rounds))
+            rows.append(row)
+            # the table comes at the end: each row as it finishes shows where a long run is
+            print(
+                f"pflego: bench against: {model} {name} in {seconds:.0f} s (train s/round "
+                f"conventional {row[3]}, pflego {row[4]}, {row[5]})",
+                file=sys.stderr,
+                flush=True,
+            )
     return notes, rows
 
 
