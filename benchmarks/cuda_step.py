@@ -137,6 +137,7 @@ def model_rows(
         variants.append(
             ("torch.compile + TF32", True, lambda: eager(torch.compile(copy.deepcopy(base)), x))
         )
+    defaults = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     for label, allow_tf32, build in variants:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
         torch.backends.cudnn.allow_tf32 = allow_tf32
@@ -148,8 +149,10 @@ def model_rows(
             setup = time.perf_counter() - began
             ms = time_steps(run, warmup, steps)
         except Exception as exc:  # a variant that fails is reported, not fatal
-            yield label, math.nan, flops, f"failed: {type(exc).__name__}: {str(exc)[:120]}"
-            continue
+            ms, setup = math.nan, 0.0
+            label += f" (failed: {type(exc).__name__}: {str(exc)[:120]})"
+        finally:  # pflego's rounds, timed next, run with torch's own settings
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = defaults
         yield label, ms, flops, (f"first step {setup:.0f} s" if setup > 2 else "")
 
 

@@ -57,10 +57,9 @@ usage() {
   sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
 }
 
-field() { # field INDEX ENTRY: one |-separated field of a run-book entry
-  local IFS='|'
-  # shellcheck disable=SC2206
-  local parts=($2)
+field() { # field INDEX ENTRY: one |-separated field of a run-book entry (never globbed)
+  local parts
+  IFS='|' read -r -a parts <<<"$2"
   printf "%s" "${parts[$1]:-}"
 }
 
@@ -123,7 +122,11 @@ part() { # part LIMIT LABEL COMMAND...: one smoke part, within LIMIT seconds and
   echo "== $label: $*"
   timeout "$limit" "$@" || rc=$?
   echo "== $label: rc $rc in $(($(date +%s) - begin)) s"
-  ((rc == 0)) || SMOKE_FAILED+=("$label (rc $rc$( ((rc == 124)) && echo ', out of time'))")
+  if ((rc == 124)); then
+    SMOKE_FAILED+=("$label (out of time)")
+  elif ((rc != 0)); then
+    SMOKE_FAILED+=("$label (rc $rc)")
+  fi
 }
 
 smoke() {
@@ -143,6 +146,7 @@ smoke() {
         tests/test_fast_sim.py -k cuda "${workers[@]}"
     else
       echo "== every algorithm, CUDA == CPU: skipped (needs pytest and a source checkout)"
+      SMOKE_FAILED+=("every algorithm, CUDA == CPU (skipped: needs pytest and a source checkout)")
     fi
     # 1. pflego against the conventional loop on the device, with % of its matmul peak (issue
     # 26's GPU target is the CNN FedAvg round): one model per call, so that a model that runs

@@ -15,10 +15,12 @@ from pflego.sim.backends import make_backend
 from pflego.sim.backends_auto import (
     AutoBackend,
     agreed_choice,
+    auto_backend,
     candidates,
     predicted_round,
     slowest_rounds,
     truncated,
+    wall_clock,
 )
 
 
@@ -199,3 +201,18 @@ def test_a_backend_that_failed_on_one_process_is_not_agreed_on() -> None:
     lone.timings = predictions(fused=0.5, vmap=1.0)
     assert lone.agree([lone.report_for_group, ("fused", {}, True)]) and lone.chosen == "vmap"
     assert lone.report()["predicted_round_of_the_slowest_process"] == {"fused": None, "vmap": None}
+
+
+def test_the_probe_clock_waits_for_the_runs_own_gpu(monkeypatch) -> None:
+    """The probe times a backend's kernels on the run's device (cuda:1 of one process too), not
+    just their launches: it waits for that device before and after; on a CPU it waits for none."""
+    waited: list[object] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    wall_clock("vmap", lambda: waited.append("work"), device=torch.device("cuda:1"))
+    assert waited == [torch.device("cuda:1"), "work", torch.device("cuda:1")]
+    waited.clear()
+    wall_clock("fused", lambda: waited.append("work"), device=torch.device("cpu"))
+    assert waited == ["work"]
+    algorithm = tiny_experiment(algorithm="fedavg").algorithm
+    backend = auto_backend(algorithm, torch.device("cuda:1"), None, fuses=False)
+    assert backend.timer.keywords == {"device": torch.device("cuda:1")}

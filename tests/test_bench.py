@@ -94,3 +94,21 @@ def test_bench_targets_are_those_of_issue_26() -> None:
     ceilings = {"train": 2.5, "eval": 6.0}
     assert marks("mlp", "pgfed", 1.7, 2.0, 1.0, ceilings) == "train ≥3x ✗ (ceiling), eval ≥5x ✗"
     assert marks("mlp", "pgfed", 3.1, 2.0, 1.0, ceilings) == "train ≥3x ✓, eval ≥5x ✗"
+
+
+def test_the_conventional_fedper_head_comes_from_the_seed_not_the_global_generator() -> None:
+    """pflego's FedPer keeps its heads per client, so the conventional model's shared head is
+    initialized by the bench: from the run's seed, whatever ran before it."""
+    from pflego.bench.against import conventional_model, conventional_module
+    from pflego.config import load_config
+    from pflego.sim import Simulation, build_experiment
+
+    cfg = load_config({"dataset": "mnist5k", "clients": 5, "algorithm": "fedper", "model": "mlp"})
+    sim = Simulation(build_experiment(cfg), None)
+    conventional = conventional_module()
+    heads = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        heads.append(conventional_model(conventional, sim).state_dict()["head.weight"])
+        assert torch.initial_seed() == global_seed  # the global generator is left alone
+    assert torch.equal(heads[0], heads[1])

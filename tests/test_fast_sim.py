@@ -24,7 +24,7 @@ from pflego.sim.backends import (
     make_backend,
     resolve_backend,
 )
-from pflego.sim.clients import ClientPool, ClientStore, client_data, schedule
+from pflego.sim.clients import ClientPool, ClientStore, client_data, schedule, take
 from pflego.sim.metrics import evaluate, evaluate_pools
 
 # Ragged clients: sizes 3..14 (one below the batch size) and 1 to 3 classes each.
@@ -328,3 +328,18 @@ def test_pool_is_built_once_on_the_device() -> None:
     x, y, mask = pool.padded(np.array([3, 2]))
     assert x.shape == (2, 14, 1, 3, 3) and mask.sum(1).tolist() == [3.0, 14.0]
     assert torch.equal(y[0, :3], exp.data.y_train_local[exp.data.train_slice(3)])
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.arange(60.0).reshape(10, 2, 3),  # contiguous rows of several dimensions
+        torch.arange(60.0).reshape(10, 6)[:, ::2],  # non-contiguous: advanced indexing kept
+        torch.arange(10),  # one dimension
+        torch.zeros(0, 3),  # empty
+    ],
+)
+def test_take_is_advanced_indexing(x: torch.Tensor) -> None:
+    rows = torch.tensor([[3, 0, 9], [9, 1, 1]]) if len(x) else torch.zeros(2, 0, dtype=torch.long)
+    assert torch.equal(take(x, rows), x[rows])
+    assert torch.equal(take(x, rows[0]), x[rows[0]])

@@ -67,7 +67,7 @@ def test_the_dry_run_prints_one_resumable_reproduce_line_per_entry(tmp_path):
             assert words[words.index("--blocks") + 1] == entry["blocks"]
         assert words[words.index("--out") + 1].startswith(str(tmp_path))  # fixed: reruns resume
         build_parser().parse_args(words[words.index("reproduce") :])  # extra arguments included
-        assert command.endswith(entry["arguments"])
+        assert command.endswith(entry["arguments"] or "--quiet")
     assert next(e for e in listed if e["preset"] == "pflego-cifar10")["arguments"].startswith(
         "--tune"
     )
@@ -85,6 +85,51 @@ def test_an_unknown_option_is_one_line_and_exit_code_2():
     )
     assert result.returncode == 2
     assert result.stderr.splitlines()[0] == "gpu_runbook.sh: unknown option --bogus"
+
+
+def smoke_with(python: Path, tmp_path: Path, budget: int = 0) -> subprocess.CompletedProcess:
+    """``--smoke cpu`` (its CPU size) with ``python`` standing in for pflego's Python."""
+    env = {
+        **os.environ,
+        "RUNBOOK_PYTHON": str(python),
+        "RUNBOOK_OUT": str(tmp_path / "out"),
+        "RUNBOOK_SMOKE_TINY": "1",
+        "RUNBOOK_SMOKE_BUDGET": str(budget),
+    }
+    return subprocess.run(
+        ["bash", str(SCRIPT), "--smoke", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def fake_python(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "python"
+    script.write_text(f"#!/usr/bin/env bash\n{body}\n")
+    script.chmod(0o755)
+    return script
+
+
+def test_the_smoke_test_goes_on_past_a_failing_part_and_says_which_failed(tmp_path):
+    result = smoke_with(fake_python(tmp_path, "exit 1"), tmp_path)
+    assert result.returncode == 1
+    ran = [line for line in result.stdout.splitlines() if ": rc 1 in " in line]
+    assert len(ran) == 2  # the CNN bench and every algorithm's rounds, both tried
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("smoke test FAILED on cpu")
+    assert "CNN bench on cpu (mnist5k) (rc 1)" in last and "2 rounds on cpu (rc 1)" in last
+
+
+def test_the_smoke_budget_stops_a_part_and_skips_what_it_leaves_out(tmp_path):
+    result = smoke_with(fake_python(tmp_path, "sleep 30"), tmp_path, budget=11)
+    assert result.returncode == 1
+    last = result.stdout.strip().splitlines()[-1]
+    assert "CNN bench on cpu (mnist5k) (out of time)" in last
+    assert "2 rounds on cpu (skipped)" in last
 
 
 @pytest.mark.slow

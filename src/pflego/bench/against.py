@@ -112,9 +112,13 @@ def matmul_peak(device: str = "cpu", repeats: int = 5) -> float:
 
 
 def conventional_model(conventional: Any, sim: Simulation) -> torch.nn.Module:
-    """The conventional model, starting from the pflego run's initial shared parameters."""
+    """The conventional model, starting from the pflego run's initial shared parameters; what
+    those lack (FedPer's head, which pflego keeps per client) is initialized from the run's seed,
+    not from wherever the global generator stands after the rows before."""
     model = sim.algorithm.model
-    net = conventional.split_module(model.body, model.feature_dim, model.num_classes)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(sim.cfg.seed)
+        net = conventional.split_module(model.body, model.feature_dim, model.num_classes)
     start = tree.to(sim.server["params"], "cpu")
     state = net.state_dict()
     state.update({k: v for k, v in start.items() if k in state and v.shape == state[k].shape})

@@ -11,13 +11,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import torch
-
 from pflego.algorithms import build_algorithm
 from pflego.config import load_config
 from pflego.data import load_dataset
 from pflego.errors import PflegoError
 from pflego.sim import Experiment, Simulation, build_experiment
+from pflego.sim.profile import wait_for_device
 
 T = TypeVar("T")
 
@@ -60,10 +59,10 @@ class Bench:
 
 def timed(work: Callable[[], T]) -> tuple[T, float]:
     """What ``work()`` returns, and the wall-clock seconds it took (its CUDA kernels included)."""
+    wait_for_device()  # what was queued before is not this work's
     start = time.perf_counter()
     result = work()
-    if torch.cuda.is_initialized():  # CUDA kernels run asynchronously: wait for them
-        torch.cuda.synchronize()
+    wait_for_device()  # CUDA kernels run asynchronously: wait for them
     return result, time.perf_counter() - start
 
 

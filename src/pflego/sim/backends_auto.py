@@ -30,6 +30,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ import torch
 from pflego.algorithms import Algorithm
 from pflego.sim.backends import Backend, make_backend
 from pflego.sim.clients import Cohort, pad_schedules
+from pflego.sim.profile import wait_for_device
 from pflego.tree import Params
 from pflego.types import ClientOut, ClientState, RoundContext
 
@@ -48,14 +50,16 @@ PROBE_STEPS = (1, 2)
 Timer = Callable[[str, Callable[[], object]], float]
 
 
-def wall_clock(name: str, work: Callable[[], object]) -> float:
-    """Wall-clock seconds of ``work()``, its CUDA kernels included (``name`` only labels it):
-    without waiting for them, a backend that queues its kernels would look as fast as its
-    launches."""
+def wall_clock(
+    name: str, work: Callable[[], object], device: torch.device | str | None = None
+) -> float:
+    """Wall-clock seconds of ``work()`` with its kernels on ``device`` (``name`` only labels it):
+    without waiting for them before and after, a backend that queues its kernels would look as
+    fast as its launches, and the one timed next would pay for them."""
+    wait_for_device(device)
     start = time.perf_counter()
     work()
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    wait_for_device(device)
     return time.perf_counter() - start
 
 
@@ -290,5 +294,6 @@ def auto_backend(
     return AutoBackend(
         names,
         lambda name: make_backend(name, algorithm, chunk_size),
+        timer=partial(wall_clock, device=device),
         settled=FUSED_FOR_SURE if sure else None,
     )

@@ -9,6 +9,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+
+
+def wait_for_device(device: torch.device | str | None = None) -> None:
+    """Wait for the CUDA kernels queued on ``device`` (the current CUDA device when ``None``), so
+    that a clock read next counts them; nothing where CUDA is not in use."""
+    if device is None:
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    elif torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
 
 class Profile:
     """Where a run's wall-clock time goes: data, train, evaluate, checkpoint (the time the round
