@@ -287,6 +287,22 @@ def test_fedprox_local_steps_descend_the_proximal_objective():
     assert gap.max() > 1e-6  # the proximal term changes the steps after the first
 
 
+def test_fedprox_logs_its_clients_data_loss_without_the_proximal_term():
+    """The client's logged loss is F_k's at each step's start, averaged over its steps, as
+    FedAvg's: the proximal term steers the steps but its value is not logged."""
+    mu = 0.8
+    sim = Simulation(ragged_experiment("fedprox", options={"mu": mu}), None)
+    cohort, downlink, states, clients = round_inputs(sim, 0)
+    out = sim.backend(sim.algorithm, downlink, states, sim.round_inputs(0, cohort), sim.context(0))
+    for c, data in enumerate(clients):
+        p, losses = downlink, []
+        for x, y in steps_of(data):
+            if len(y) > 0:
+                losses.append(float(cross_entropy(4)(p, x, y)))
+                p = descend(p, BODY + HEAD, proximal(cross_entropy(4), mu, downlink), [(x, y)])
+        assert float(out[0].metrics["loss"][c]) == pytest.approx(sum(losses) / len(losses))
+
+
 # --- Ditto ------------------------------------------------------------------------------------
 
 

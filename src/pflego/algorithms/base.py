@@ -22,7 +22,7 @@ from pflego.errors import ConfigError
 from pflego.local import train_steps
 from pflego.loss import ModelLoss, masked_cross_entropy
 from pflego.models import SplitModel, head_logits, init_head
-from pflego.optim import SGD, Optimizer
+from pflego.optim import SGD, Optimizer, Proximal
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, Schedule, ServerState
 
@@ -272,22 +272,23 @@ class Algorithm:
     ) -> tuple[Params, Tensor]:
         """Local steps on the model's loss from ``params``, with ``fixed`` parameters held.
 
-        The optimizer state starts fresh. With ``anchor``, the loss adds the proximal term
-        ``strength / 2 * ||params - anchor||^2`` (FedProx, Ditto). Returns the trained parameters
-        and the mean loss over the real steps.
+        The optimizer state starts fresh. With ``anchor``, the steps descend the loss plus the
+        proximal term ``strength / 2 * ||params - anchor||^2`` (FedProx, Ditto), whose gradient
+        the optimizer adds in closed form (:class:`~pflego.optim.Proximal`). Returns the trained
+        parameters and the mean loss over the real steps; the proximal term's value is left out
+        of it, so a fused step does not compute ``||params - anchor||^2`` at every step.
         """
         held = fixed or {}
         if type(self).loss is Algorithm.loss:  # declared, so that SGD on it may run fused
-            loss = ModelLoss(self.model, data.label_mask, held, anchor, strength)
+            loss = ModelLoss(self.model, data.label_mask, held)
         else:
 
             def loss(p: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
-                value = self.loss({**held, **p}, x, y, mask, data.label_mask)
-                if anchor is None:
-                    return value
-                return value + strength / 2 * tree.sq_norm(tree.sub(p, anchor))
+                return self.loss({**held, **p}, x, y, mask, data.label_mask)
 
         opt = self.client_optimizer
+        if anchor is not None and strength != 0:
+            opt = Proximal(opt, strength, anchor)
         trained, _, mean_loss = train_steps(
             loss, params, data, opt, opt.init(params), ctx.client_lr
         )

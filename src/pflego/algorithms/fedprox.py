@@ -13,8 +13,8 @@ downlink, mu -> ``mu``, the local solver's step size -> ``ctx.client_lr``.
 
 Differences: the paper tunes mu per dataset; the default 0.01 is a starting point for tuning
 (the PFLEGO reference code's default is 0, which is FedAvg). Every client runs its full local schedule (the paper's variable local
-work of stragglers, gamma-inexact solutions, is not simulated). The logged loss includes the
-proximal term.
+work of stragglers, gamma-inexact solutions, is not simulated). The logged loss is F_k's, without
+the proximal term's value (as Ditto's and pFedMe's), so that it compares with FedAvg's.
 
 Unseen clients (``join``): nothing; they predict with the global model (``join_epochs`` is refused).
 """
