@@ -28,8 +28,8 @@ Differences: the paper's global momentum (the authors' ``gmf``) is the server op
 ``momentum`` (``buf <- gmf buf + g``, ``x <- x - server_lr buf``, the same step with server_lr 1).
 The authors' code takes tau_eff = sum p_i tau_i when mu > 0 (the paper: sum p_i ||a_i||_1, used
 here) and ignores weight decay in a_i (as here). Their proximal term is added after momentum;
-here it is part of the loss, so ``mu > 0`` with the ``momentum`` client optimizer (whose a_i the
-paper does not give for that order) is refused. Other client optimizers (``adam``) have no a_i:
+here its gradient joins the loss's before momentum, so ``mu > 0`` with the ``momentum`` client
+optimizer (whose a_i the paper does not give for that order) is refused. Other client optimizers (``adam``) have no a_i:
 they are normalized as SGD, by tau_i. Because the aggregate multiplies two weighted means
 (tau_eff and the mean d_i), it is not a weighted sum of the uploads: differential privacy and
 secure aggregation refuse FedNova.
@@ -47,8 +47,6 @@ import torch
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
-from pflego.local import train_steps
-from pflego.loss import ModelLoss
 from pflego.optim import Momentum
 from pflego.types import ClientData, ClientOut, RoundContext
 
@@ -88,12 +86,7 @@ class FedNova(Algorithm):
         return norm
 
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
-        anchor = downlink if self.mu > 0 else None
-        loss = ModelLoss(self.model, data.label_mask, anchor=anchor, strength=self.mu)
-        opt = self.client_optimizer
-        trained, _, mean_loss = train_steps(
-            loss, downlink, data, opt, opt.init(downlink), ctx.client_lr
-        )
+        trained, mean_loss = self.train(downlink, data, ctx, anchor=downlink, strength=self.mu)
         dtype = next(iter(downlink.values())).dtype
         norm = self.normalizer(data, ctx.client_lr, dtype)
         d = tree.scale(tree.sub(downlink, trained), 1.0 / norm.clamp(min=1e-12))
