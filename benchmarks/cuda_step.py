@@ -149,11 +149,12 @@ def model_rows(
             setup = time.perf_counter() - began
             ms = time_steps(run, warmup, steps)
         except Exception as exc:  # a variant that fails is reported, not fatal
-            ms, setup = math.nan, 0.0
-            label += f" (failed: {type(exc).__name__}: {str(exc)[:120]})"
+            ms, note = math.nan, f"failed: {type(exc).__name__}: {str(exc)[:120]}"
+        else:
+            note = f"first step {setup:.0f} s" if setup > 2 else ""
         finally:  # pflego's rounds, timed next, run with torch's own settings
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = defaults
-        yield label, ms, flops, (f"first step {setup:.0f} s" if setup > 2 else "")
+        yield label, ms, flops, note
 
 
 def round_rows(
