@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from conftest import tiny_experiment
 
+from pflego.local import fused_steps
 from pflego.sim import Simulation
 from pflego.sim.clients import client_data, schedule
 from pflego.types import ClientOut
@@ -41,10 +43,11 @@ def test_local_steps_descend_the_dynamic_objective_and_update_the_gradient_state
 
     # Reference: gradient descent on L_k(w) - <g, w> + alpha/2 ||w - theta||^2, gradient by hand
     # for the two regularizer terms and by autograd for the cross-entropy.
-    w = {k: v.clone() for k, v in theta.items()}
+    w, losses = {k: v.clone() for k, v in theta.items()}, []
     for _ in range(steps):
         leaves = {k: v.clone().requires_grad_() for k, v in w.items()}
         ce = torch.nn.functional.cross_entropy(mlp_logits(leaves, data.x), data.y)
+        losses.append(float(ce))
         grads = dict(zip(leaves, torch.autograd.grad(ce, list(leaves.values()))))
         w = {
             k: v - ctx.client_lr * (grads[k] - grad_state[k] + ALPHA * (v - theta[k]))
@@ -55,6 +58,28 @@ def test_local_steps_descend_the_dynamic_objective_and_update_the_gradient_state
         expected = grad_state[k] - ALPHA * (w[k] - theta[k])
         torch.testing.assert_close(new_state["grad." + k], expected, rtol=1e-10, atol=1e-12)
     assert out.weight == n
+    # the logged loss is L_k's at each step's start, without the regularizers' values
+    assert float(out.metrics["loss"]) == pytest.approx(sum(losses) / steps, rel=1e-10)
+
+
+def test_fused_steps_run_the_regularizers_as_autograd_does():
+    """FedDyn's proximal and linear terms ride on the optimizer: fused steps take them in the
+    kernel's pull and compute what the autograd steps compute, logged loss included."""
+    sim = Simulation(tiny_experiment(algorithm="feddyn", options={"alpha": ALPHA}), None)
+    ctx, theta = sim.context(0), sim.server["params"]
+    state = {"grad." + k: v for k, v in random_like(theta, 1, 0.05).items()}
+    n = int(sim.exp.data.train_sizes[2])
+    batches = schedule(n, 4, 3, None, np.random.default_rng(0))
+    data = client_data(sim.exp.data, 2, "global", batches, torch.float64)
+    plain = sim.algorithm.client_update(theta, state, data, ctx)
+    with fused_steps() as counts:
+        fused = sim.algorithm.client_update(theta, state, data, ctx)
+    assert counts.fused > 0 and counts.autograd == 0
+    for k in theta:
+        torch.testing.assert_close(fused[0].upload[k], plain[0].upload[k], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        fused[0].metrics["loss"], plain[0].metrics["loss"], rtol=1e-10, atol=0
+    )
 
 
 def test_server_h_uses_the_population_and_the_model_the_cohort_mean():

@@ -72,7 +72,7 @@ def fused_sgd_steps(
     """``train_steps`` for plain SGD on a :class:`ModelLoss`, or ``None`` when it does not apply.
 
     SGD inside a :class:`~pflego.optim.Proximal` optimizer is SGD on the loss with that proximal
-    term, whose value is left out of the logged loss; its anchor (from ``opt_state`` when it
+    (and linear) term, whose value is left out of the logged loss; its anchor (from ``opt_state`` when it
     moves) may move after every ``every`` real steps, in the kernel.
 
     Returns:
@@ -84,9 +84,9 @@ def fused_sgd_steps(
     if not isinstance(loss, ModelLoss) or (loss.centroids is not None and loss.model is None):
         return None  # (aligning a bare head's input features: autograd)
     prox = _moreau(loss, optimizer)
-    if prox is not None:  # the optimizer's proximal term: as the loss's, but left out of its value
+    if prox is not None:  # the optimizer's terms: as the loss's, but left out of its value
         anchor = prox.current_anchor(opt_state)
-        loss = dataclasses.replace(loss, anchor=anchor, strength=prox.lam)
+        loss = dataclasses.replace(loss, anchor=anchor, strength=prox.lam, linear=prox.linear)
         optimizer = prox.inner
     if type(optimizer) is not SGD:
         return None
@@ -140,8 +140,14 @@ def plain_plan(loss: ModelLoss, params: Params, data: ClientData) -> tuple[Layer
 
 
 def _moreau(loss: ModelLoss, optimizer: Optimizer) -> Proximal | None:
-    """A :class:`Proximal` optimizer around plain SGD on a loss without a proximal term."""
-    if type(optimizer) is Proximal and type(optimizer.inner) is SGD and loss.anchor is None:
+    """A :class:`Proximal` optimizer around plain SGD on a loss without a proximal or linear
+    term."""
+    if (
+        type(optimizer) is Proximal
+        and type(optimizer.inner) is SGD
+        and loss.anchor is None
+        and loss.linear is None
+    ):
         return optimizer
     return None
 
@@ -242,7 +248,7 @@ def _run(
             [[layer.bias in full, layer.weight in views, layer.bias in views] for layer in plan],
             flat,
             anchor if log_proximal else empty,  # only the logged distance reads it
-            linear,
+            linear if log_proximal or every > 0 else empty,  # the logged dot, a moving pull
             pull,
             moving,
             moves,
@@ -269,7 +275,7 @@ def _run(
         values = -(torch.stack(log_probs) * target).sum((1, 2))  # each step's cross-entropy
     if distances:
         values = values + strength / 2 * torch.stack(distances)
-    if dots:
+    if dots and log_proximal:
         values = values - torch.stack(dots)
     if alignments:
         values = values + torch.stack(alignments) / 2  # each the sum of 2 w_s ||gap_s||^2

@@ -94,10 +94,11 @@ class Momentum(Optimizer):
 
 @dataclass(frozen=True)
 class Proximal(Optimizer):
-    """``inner`` stepping along ``grad + lam (params - anchor)``: a proximal term's gradient in
-    closed form, added to the loss's (one fused op per leaf instead of differentiating it).
+    """``inner`` stepping along ``grad + lam (params - anchor) - linear``: a proximal term's
+    gradient in closed form, and a linear term's (FedDyn's ``-<linear, params>``; ``None``: none),
+    added to the loss's (one fused op per leaf instead of differentiating them).
 
-    The loss, and so the loss that training logs, leaves the term out (pFedMe's ``f_i``). With
+    The loss, and so the loss that training logs, leaves the terms out (pFedMe's ``f_i``). With
     ``every > 0`` the anchor is state and moves after every ``every`` real steps,
     ``anchor <- anchor - follow (anchor - params)`` (pFedMe's local model after its K personal
     steps on a minibatch). Around plain :class:`SGD` on a declared loss, the steps run fused
@@ -109,6 +110,7 @@ class Proximal(Optimizer):
     anchor: Params
     every: int = 0
     follow: float = 0.0
+    linear: Params | None = None
 
     def init(self, params: Params) -> OptState:
         state = self.inner.init(params)
@@ -124,7 +126,10 @@ class Proximal(Optimizer):
         return {k: state[f"{ANCHOR}{k}"] for k in self.anchor}
 
     def with_prox(self, params: Params, grads: Params, anchor: Params) -> Params:
-        return {k: torch.add(g, params[k] - anchor[k], alpha=self.lam) for k, g in grads.items()}
+        pulled = {k: torch.add(g, params[k] - anchor[k], alpha=self.lam) for k, g in grads.items()}
+        if self.linear is None:
+            return pulled
+        return {k: g - self.linear[k] for k, g in pulled.items()}
 
     def update(self, params, grads, state, lr):
         return self.masked_update(params, grads, state, lr, torch.ones((), dtype=torch.bool))

@@ -24,8 +24,8 @@ the local solver -> ``pflego.local.train_steps`` with ``ctx.client_lr``. Uploads
 Differences: the mean over P_t is unweighted, as in the paper (and the PGFed authors' code);
 the FedDyn authors' code scales alpha per client by its data size (not offered). FedDyn's server
 step is its own rule: the server optimizer and ``server_lr`` are not used, so a run that sets
-either (other than SGD / 1) is refused, as is ``join_epochs`` (newcomers do not train). The regularizer is
-added to every minibatch's loss. Prediction is the global model theta (FedDyn is a global
+either (other than SGD / 1) is refused, as is ``join_epochs`` (newcomers do not train). The regularizers'
+gradients are added to every minibatch's (the logged loss is L_k's, without their values). Prediction is the global model theta (FedDyn is a global
 method); a client that never trained (``join``) does nothing, so it is evaluated exactly as the
 clients that trained: fine-tuning would be another method (FedDyn + fine-tuning).
 """
@@ -42,6 +42,7 @@ from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
 from pflego.local import train_steps
 from pflego.loss import ModelLoss
+from pflego.optim import Proximal
 from pflego.types import ClientData, ClientOut, RoundContext
 
 GRAD = "grad."
@@ -68,11 +69,10 @@ class FedDyn(Algorithm):
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
         linear = {k: state[GRAD + k] for k in downlink}
 
-        # the local objective: L_k(p) - <grad L_k, p> + alpha/2 ||p - theta^{t-1}||^2
-        loss = ModelLoss(
-            self.model, data.label_mask, anchor=downlink, strength=self.alpha, linear=linear
-        )
-        opt = self.client_optimizer
+        # the local objective: L_k(p) - <grad L_k, p> + alpha/2 ||p - theta^{t-1}||^2, its two
+        # regularizers' gradients added in closed form by the optimizer
+        opt = Proximal(self.client_optimizer, self.alpha, downlink, linear=linear)
+        loss = ModelLoss(self.model, data.label_mask)
         trained, _, mean_loss = train_steps(
             loss, downlink, data, opt, opt.init(downlink), ctx.client_lr
         )
