@@ -24,10 +24,11 @@ the local solver -> ``pflego.local.train_steps`` with ``ctx.client_lr``. Uploads
 Differences: the mean over P_t is unweighted, as in the paper (and the PGFed authors' code);
 the FedDyn authors' code scales alpha per client by its data size (not offered). FedDyn's server
 step is its own rule: the server optimizer and ``server_lr`` are not used, so a run that sets
-either (other than SGD / 1) is refused, as is ``join_epochs`` (newcomers do not train). The regularizers'
-gradients are added to every minibatch's (the logged loss is L_k's, without their values). Prediction is the global model theta (FedDyn is a global
-method); a client that never trained (``join``) does nothing, so it is evaluated exactly as the
-clients that trained: fine-tuning would be another method (FedDyn + fine-tuning).
+either (other than SGD / 1) is refused, as is ``join_epochs`` (newcomers do not train). The
+regularizers' gradients are added to every minibatch's (the logged loss is L_k's, without their
+values). Prediction is the global model theta (FedDyn is a global method); a client that never
+trained (``join``) does nothing, so it is evaluated exactly as the clients that trained:
+fine-tuning would be another method (FedDyn + fine-tuning).
 """
 
 from __future__ import annotations
