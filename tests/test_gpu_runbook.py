@@ -124,6 +124,7 @@ def test_the_smoke_test_goes_on_past_a_failing_part_and_says_which_failed(tmp_pa
     assert "CNN bench on cpu (mnist5k) (rc 1)" in last and "2 rounds on cpu (rc 1)" in last
 
 
+@pytest.mark.slow  # ~11 s: a part runs out of its time on purpose
 def test_the_smoke_budget_stops_a_part_and_skips_what_it_leaves_out(tmp_path):
     result = smoke_with(fake_python(tmp_path, "sleep 30"), tmp_path, budget=11)
     assert result.returncode == 1
