@@ -72,8 +72,8 @@ def fused_sgd_steps(
     """``train_steps`` for plain SGD on a :class:`ModelLoss`, or ``None`` when it does not apply.
 
     SGD inside a :class:`~pflego.optim.Proximal` optimizer is SGD on the loss with that proximal
-    (and linear) term, whose value is left out of the logged loss; its anchor (from ``opt_state`` when it
-    moves) may move after every ``every`` real steps, in the kernel.
+    (and linear) term, whose value is left out of the logged loss; its anchor (from
+    ``opt_state`` when it moves) may move after every ``every`` real steps, in the kernel.
 
     Returns:
         The trained parameters (new tensors), the optimizer state, the mean loss over the real

@@ -269,14 +269,16 @@ class Algorithm:
         fixed: Params | None = None,
         anchor: Params | None = None,
         strength: float = 0.0,
+        linear: Params | None = None,
     ) -> tuple[Params, Tensor]:
         """Local steps on the model's loss from ``params``, with ``fixed`` parameters held.
 
         The optimizer state starts fresh. With ``anchor``, the steps descend the loss plus the
-        proximal term ``strength / 2 * ||params - anchor||^2`` (FedProx, Ditto), whose gradient
-        the optimizer adds in closed form (:class:`~pflego.optim.Proximal`). Returns the trained
-        parameters and the mean loss over the real steps; the proximal term's value is left out
-        of it, so a fused step does not compute ``||params - anchor||^2`` at every step.
+        proximal term ``strength / 2 * ||params - anchor||^2`` (FedProx, Ditto) and, with
+        ``linear``, minus ``<linear, params>`` (FedDyn), whose gradients the optimizer adds in
+        closed form (:class:`~pflego.optim.Proximal`). Returns the trained parameters and the
+        mean loss over the real steps; the terms' values are left out of it, so a fused step
+        does not compute ``||params - anchor||^2`` at every step.
         """
         held = fixed or {}
         if type(self).loss is Algorithm.loss:  # declared, so that SGD on it may run fused
@@ -287,8 +289,8 @@ class Algorithm:
                 return self.loss({**held, **p}, x, y, mask, data.label_mask)
 
         opt = self.client_optimizer
-        if anchor is not None and strength != 0:
-            opt = Proximal(opt, strength, anchor)
+        if anchor is not None and (strength != 0 or linear is not None):
+            opt = Proximal(opt, strength, anchor, linear=linear)
         trained, _, mean_loss = train_steps(
             loss, params, data, opt, opt.init(params), ctx.client_lr
         )

@@ -18,7 +18,7 @@ The server keeps h (zero at the start):
 Symbols to code: theta -> ``body.*`` and ``head.*`` (one C-way model, shared), grad
 L_k(theta_k^{t-1}) -> the client state ``grad.*``, h -> ``server["h"]``, alpha -> ``alpha``,
 m -> ``ctx.num_clients`` (the population I), |P_t| -> the clients that answered (``clients``),
-the local solver -> ``pflego.local.train_steps`` with ``ctx.client_lr``. Uploads are
+the local solver -> ``Algorithm.train`` with ``ctx.client_lr``. Uploads are
 ``theta^{t-1} - theta_k^t`` as for every averaging method.
 
 Differences: the mean over P_t is unweighted, as in the paper (and the PGFed authors' code);
@@ -41,9 +41,6 @@ import torch
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
-from pflego.local import train_steps
-from pflego.loss import ModelLoss
-from pflego.optim import Proximal
 from pflego.types import ClientData, ClientOut, RoundContext
 
 GRAD = "grad."
@@ -70,12 +67,9 @@ class FedDyn(Algorithm):
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
         linear = {k: state[GRAD + k] for k in downlink}
 
-        # the local objective: L_k(p) - <grad L_k, p> + alpha/2 ||p - theta^{t-1}||^2, its two
-        # regularizers' gradients added in closed form by the optimizer
-        opt = Proximal(self.client_optimizer, self.alpha, downlink, linear=linear)
-        loss = ModelLoss(self.model, data.label_mask)
-        trained, _, mean_loss = train_steps(
-            loss, downlink, data, opt, opt.init(downlink), ctx.client_lr
+        # the local objective: L_k(p) - <grad L_k, p> + alpha/2 ||p - theta^{t-1}||^2
+        trained, mean_loss = self.train(
+            downlink, data, ctx, anchor=downlink, strength=self.alpha, linear=linear
         )
         delta = tree.sub(downlink, trained)  # theta^{t-1} - theta_k^t
         new_grad = tree.axpy(self.alpha, delta, linear)

@@ -30,9 +30,9 @@ The authors' code takes tau_eff = sum p_i tau_i when mu > 0 (the paper: sum p_i 
 here) and ignores weight decay in a_i (as here). Their proximal term is added after momentum;
 here its gradient joins the loss's before momentum, so ``mu > 0`` with the ``momentum`` client
 optimizer (whose a_i the paper does not give for that order) is refused. Other client optimizers
-(``adam``) have no a_i: they are normalized as SGD, by tau_i. Because the aggregate multiplies two weighted means
-(tau_eff and the mean d_i), it is not a weighted sum of the uploads: differential privacy and
-secure aggregation refuse FedNova.
+(``adam``) have no a_i: they are normalized as SGD, by tau_i. Because the aggregate multiplies
+two weighted means (tau_eff and the mean d_i), it is not a weighted sum of the uploads:
+differential privacy and secure aggregation refuse FedNova.
 
 Unseen clients (``join``): nothing; FedNova is a global method, every client predicts with x.
 """
