@@ -71,7 +71,7 @@ from pflego.errors import ConfigError
 from pflego.fused_bilevel import Substep, fused_program
 from pflego.local import fused_or_none, train_steps, train_steps_summing_iterates
 from pflego.loss import ModelLoss, masked_cross_entropy
-from pflego.optim import OptState
+from pflego.optim import OptState, Proximal
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, Schedule, ServerState
 
@@ -227,7 +227,7 @@ class PGFed(Algorithm):
         aux, state = self.auxiliary_gradient(downlink, state)
         kept = tree.strip_prefix("opt.", state) if self.keep_optimizer else None
         local, iterates, steps, opt_state = self.descend(
-            self.objective(aux, data), theta, data, ctx.client_lr, kept
+            self.risk(data), aux, theta, data, ctx.client_lr, kept
         )
         grad, loss = self.full_gradient(local, data)
         upload = {
@@ -246,31 +246,34 @@ class PGFed(Algorithm):
             new_state |= tree.add_prefix("opt.", opt_state)
         return ClientOut(upload, data.num_samples, {"loss": loss.detach()}), new_state
 
-    def objective(self, aux: Params, data: ClientData):
-        """``f_i(theta; batch) + <g~_i, theta>`` (Eq. 10's gradient is its gradient): a declared
-        loss, whose SGD steps may run fused, unless ``loss`` is overridden."""
+    def risk(self, data: ClientData):
+        """``f_i(theta; batch)``: a declared loss, whose SGD steps may run fused, unless ``loss``
+        is overridden."""
         if type(self).loss is Algorithm.loss:
-            return ModelLoss(self.model, data.label_mask, linear=tree.scale(aux, -1.0))
-        risk = lambda p, x, y, m: self.loss(p, x, y, m, data.label_mask)  # noqa: E731
-        return lambda p, x, y, m: risk(p, x, y, m) + tree.dot(aux, p)
+            return ModelLoss(self.model, data.label_mask)
+        return lambda p, x, y, m: self.loss(p, x, y, m, data.label_mask)
 
     def descend(
         self,
-        objective,
+        risk,
+        aux: Params,
         params: Params,
         data: ClientData,
         lr: float,
         opt_state: OptState | None = None,
     ) -> tuple[Params, Params, Tensor, OptState]:
-        """The round's local steps from ``opt_state`` (a fresh optimizer state when ``None``).
+        """The round's local steps on ``risk`` along ``grad risk + g~_i`` (Eq. 10; g~_i = ``aux``,
+        added by the optimizer in closed form) from ``opt_state`` (a fresh optimizer state when
+        ``None``).
 
         Returns the model, the sum of the points where each real step's gradient was taken, the
         number of real steps and the optimizer's final state.
         """
+        optimizer = Proximal(self.client_optimizer, 0.0, params, linear=tree.scale(aux, -1.0))
         if opt_state is None:
-            opt_state = self.client_optimizer.init(params)
+            opt_state = optimizer.init(params)
         params, opt_state, _, iterates = train_steps_summing_iterates(
-            objective, params, data, self.client_optimizer, opt_state, lr
+            risk, params, data, optimizer, opt_state, lr
         )
         steps = (data.batch_mask.sum(-1) > 0).to(data.batch_mask.dtype).sum()
         return params, iterates, steps, opt_state
