@@ -204,13 +204,7 @@ def _run(
         )
     batches, batch_mask = batches[real], batch_mask[real]
     feed = step_inputs(plan, loss, data, batches, batch_mask)
-    inputs, inputs_t, first, target, weights = (
-        feed.inputs,
-        feed.inputs_t,
-        feed.first,
-        feed.target,
-        feed.weights,
-    )
+    inputs, target, weights = feed.inputs, feed.target, feed.weights
     label_mask = loss.label_mask > 0
     empty = data.x.new_empty(0)
     # The trained parameters, in the kernel's layout, are views of one flat vector, so that the
@@ -256,8 +250,6 @@ def _run(
             lr * strength,
             iterate_sum,
             inputs,
-            inputs_t,
-            first,
             list((-target).unbind(0)),
             list(weights.unsqueeze(1).unbind(0)),
             list(feed.centroid_targets.unbind(0)),
@@ -289,8 +281,6 @@ class StepInputs(NamedTuple):
     """What the kernel reads of each step's minibatch (see :func:`_steps`)."""
 
     inputs: list[Tensor]
-    inputs_t: list[Tensor]
-    first: int
     target: Tensor
     weights: Tensor
     centroid_targets: Tensor
@@ -301,8 +291,7 @@ def step_inputs(
     plan: tuple[Layer, ...], loss: ModelLoss, data: ClientData, batches: Tensor, batch_mask: Tensor
 ) -> StepInputs:
     """The inputs of the steps ``batches`` / ``batch_mask`` (``[S, B]``, every step real),
-    gathered once: each step's input, the transposed input of the linear layer ``first`` that
-    reads it (-1: none), ``onehot(y)^T * mask / n`` ``[S, K, B]`` and ``mask / n`` ``[S, B]``
+    gathered once: each step's input, ``onehot(y)^T * mask / n`` ``[S, K, B]`` and ``mask / n`` ``[S, B]``
     (times the samples' weights when the loss has them); with the loss's centroids, each row's
     centroid ``[S, B, M]`` and ``2 centroid_weights[y] mask / n`` ``[S, B, 1]`` (else empty;
     with ``class_means``, ``n`` is the number of the row's class in its minibatch)."""
@@ -310,18 +299,13 @@ def step_inputs(
     weights = plain_weights
     if loss.sample_weights is not None:  # [S, B]: w_idx * mask / n_s
         weights = weights * loss.sample_weights[batches]
-    first = _first_linear(plan)
     convolutional = any(layer.kind == "conv" for layer in plan) and data.x.dim() == 4
     if batches.shape[-1] == data.x.shape[0]:  # full batch: every step is the whole local set
         inputs = [channels_last(data.x) if convolutional else data.x] * len(batches)
-        inputs_t = [data.x.flatten(1).t().contiguous()] * len(batches) if first >= 0 else []
         labels = data.y.expand(len(batches), -1)
     else:  # every step's minibatch, gathered once
         gathered = data.x[batches]
         inputs = list((channels_last(gathered) if convolutional else gathered).unbind(0))
-        inputs_t = (
-            list(gathered.flatten(2).transpose(1, 2).contiguous().unbind(0)) if first >= 0 else []
-        )
         labels = data.y[batches]
     classes = loss.label_mask.shape[-1]
     # the head works on transposed logits [K, B]: products with a few outputs run fastest so
@@ -335,7 +319,7 @@ def step_inputs(
             rows = ((labels[..., None] == classes) * batch_mask[..., None]).sum(1).clamp(min=1)
             plain_weights = batch_mask / rows.gather(1, labels)
         centroid_rows = (2 * loss.centroid_weights[labels] * plain_weights).unsqueeze(2)
-    return StepInputs(inputs, inputs_t, first, target, weights, centroid_targets, centroid_rows)
+    return StepInputs(inputs, target, weights, centroid_targets, centroid_rows)
 
 
 def flat_views(
@@ -371,16 +355,6 @@ def _kernel_layout(plan: tuple[Layer, ...], key: str, value: Tensor) -> Tensor:
     return value.t() if body_linear else value
 
 
-def _first_linear(plan: tuple[Layer, ...]) -> int:
-    """The linear layer that reads the (flattened) input directly, or -1."""
-    for i, layer in enumerate(plan):
-        if layer.kind == "linear":
-            return i
-        if layer.kind not in ("flatten", "identity"):
-            return -1
-    return -1
-
-
 def layer_settings(layer: Layer) -> list[int]:
     """A layer's settings as integers: conv stride, padding, dilation; pool kernel, stride,
     padding, dilation, ceil mode; flatten start and end dimensions."""
@@ -412,8 +386,6 @@ def _steps(
     pull_scale: float,
     iterates: Tensor,
     inputs: list[Tensor],
-    inputs_t: list[Tensor],
-    first: int,
     negative_target: list[Tensor],
     weight_rows: list[Tensor],
     centroid_targets: list[Tensor],
@@ -439,8 +411,7 @@ def _steps(
     parameters by ``shrink`` (weight decay and the proximal term); ``iterates``, unless empty,
     sums the parameters each step starts from. After the steps where ``moves`` says so, the
     anchor ``moving`` moves by ``moving <- moving + follow (flat - moving)`` and ``pull`` follows
-    it (``pull_scale = lr strength``). Per step: its input (and, for
-    the linear layer ``first`` that reads it, its transpose), ``-onehot(y)^T * mask / n``,
+    it (``pull_scale = lr strength``). Per step: its input, ``-onehot(y)^T * mask / n``,
     ``mask / n`` and, for the alignment term (empty without one), its rows' centroids ``c``
     ``[B, M]`` and ``2 w = 2 centroid_weights[y] mask / n`` ``[B, 1]``: the term adds
     ``2 w (a - c)`` to the gradient in the head's input ``a``. The head computes transposed
@@ -476,8 +447,7 @@ def _steps(
         backward_pass(
             has_head, kinds, settings, params, biases, params, biases, flags, saved, indices,
             shapes, a,
-            grad_t, feature_grad, inputs_t[s] if first >= 0 else a, first, ones, lr, shrink,
-            lowest,
+            grad_t, feature_grad, ones, lr, shrink, lowest,
         )  # fmt: skip
         if pull.numel() > 0:
             flat.add_(pull)

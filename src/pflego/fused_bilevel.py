@@ -133,8 +133,6 @@ def fused_program(
             [position[s.row] for s in substeps],
             [s.record for s in substeps],
             feed.inputs,
-            feed.inputs_t,
-            feed.first,
             list((-feed.target).unbind(0)),
             list(feed.weights.unsqueeze(1).unbind(0)),
             feed.weights.new_ones(feed.weights.shape[1]),
@@ -175,8 +173,6 @@ def _program(
     feed: list[int],
     record: list[bool],
     inputs: list[Tensor],
-    inputs_t: list[Tensor],
-    first: int,
     negative_target: list[Tensor],
     weight_rows: list[Tensor],
     ones: Tensor,
@@ -209,8 +205,8 @@ def _program(
         log_probs.append(log_p)
         backward_pass(
             True, kinds, settings, weights[p], biases[p], weights[q], biases[q], flags, saved,
-            indices, shapes, a_, grad_t, no_feature_grad, inputs_t[r] if first >= 0 else a_,
-            first, ones, lrs[j], shrinks[j], lowest,
+            indices, shapes, a_, grad_t, no_feature_grad, ones,
+            lrs[j], shrinks[j], lowest,
         )  # fmt: skip
         if record[j]:
             norms.append(torch.dot(flats[q], flats[q]))

@@ -104,8 +104,6 @@ def backward_pass(
     a: Tensor,
     grad_t: Tensor,
     feature_grad: Tensor,
-    input_t: Tensor,
-    first: int,
     ones: Tensor,
     lr: float,
     shrink: float,
@@ -116,8 +114,7 @@ def backward_pass(
     ``t <- shrink t - lr g`` (the same lists for a plain SGD step; another point's for a step
     whose gradient is taken elsewhere). ``feature_grad``: the gradient of the loss's other terms
     in the head's input ``a`` (empty: none), added to the head's; without ``has_head``, the
-    only gradient in the body's output ``a``. ``input_t``: the transposed input of layer
-    ``first``."""
+    only gradient in the body's output ``a``."""
     head = len(kinds) - 1 if has_head else len(kinds)
     grad = feature_grad
     if has_head:
@@ -137,8 +134,7 @@ def backward_pass(
             if below:
                 grad_in = torch.mm(grad, params[i].t())  # before this step's update
             if flags[i][1]:
-                left = input_t if i == first else keep.t()
-                targets[i].addmm_(left, grad, beta=shrink, alpha=-lr)
+                targets[i].addmm_(keep.t(), grad, beta=shrink, alpha=-lr)
             if flags[i][2]:
                 target_biases[i].addmv_(grad.t(), ones, beta=shrink, alpha=-lr)
             grad = grad_in
