@@ -16,7 +16,7 @@ from pflego.config import load_config
 from pflego.data import ArrayDataset, register
 from pflego.errors import ConfigError
 from pflego.rng import seed_for
-from pflego.sim import Simulation, build_experiment, rounds
+from pflego.sim import Simulation, build_experiment, metrics, rounds
 from pflego.sim.backends import (
     FusedBackend,
     VmapBackend,
@@ -226,6 +226,16 @@ def test_store_gathers_and_scatters_only_the_cohort() -> None:
     assert store.visited.nonzero().flatten().tolist() == [9_999]
 
 
+def test_store_reads_every_client_in_place_and_a_few_as_a_copy() -> None:
+    store = ClientStore(4)
+    store.write(np.arange(4), {"head.weight": torch.arange(8.0).view(4, 2)})
+    stored = store.tensors["head.weight"]
+    assert store.read(np.arange(4))["head.weight"] is stored
+    some = store.read(np.array([2, 0]))["head.weight"]
+    assert some.tolist() == [[4.0, 5.0], [0.0, 1.0]]
+    assert some.untyped_storage().data_ptr() != stored.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_non_sampled_clients_are_unchanged(name: str) -> None:
     sim = Simulation(ragged_experiment(name), None)
@@ -278,6 +288,31 @@ def test_vectorized_evaluation_matches_per_client(name: str) -> None:
         sim.personalization(1),  # the same adapt (if any) as the simulator's evaluation
     )
     assert legacy["train_loss"] == pytest.approx(sim.evaluate(1)["train_loss"], abs=1e-10)
+
+
+@pytest.mark.parametrize("name", ["ditto", "fedper", "pgfed", "perfedavg", "fedrod"])
+def test_evaluation_client_by_client_matches_the_vectorized_one(name: str, monkeypatch) -> None:
+    """On a CPU, chunks of large clients are evaluated one client at a time on rows read in
+    place (metrics.LOOP_ROWS); the numbers are the vmapped, padded evaluation's."""
+    sim = Simulation(ragged_experiment(name), None)
+    sim.run_round(0)
+    ctx, everyone = sim.context(1), np.arange(len(SIZES))
+    downlink = sim.downlink(ctx, everyone)
+    states = sim.states(everyone, downlink, ctx)
+    columns, calls, looped_metrics = {}, [], metrics.looped_metrics
+    monkeypatch.setattr(
+        metrics, "looped_metrics", lambda *args: calls.append(1) or looped_metrics(*args)
+    )
+    for loop_rows in (0, 10**9):
+        monkeypatch.setattr(metrics, "LOOP_ROWS", loop_rows)
+        columns[loop_rows] = metrics.evaluate_clients(
+            sim.algorithm, lambda ids: sim.downlink(ctx, ids), states, sim.pools,
+            sim.personalization(1), chunk_size=4,
+        )  # fmt: skip
+    assert calls  # the first evaluation ran client by client
+    assert columns[0].keys() == columns[10**9].keys()
+    for key, looped in columns[0].items():
+        np.testing.assert_allclose(looped, columns[10**9][key], rtol=0, atol=1e-12, err_msg=key)
 
 
 def test_pflego_client_flops_grow_only_by_head_steps() -> None:

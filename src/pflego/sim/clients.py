@@ -465,6 +465,13 @@ class ClientStore:
         ids = torch.as_tensor(np.asarray(clients, dtype=np.int64))
         return {k: v[ids].to(device) for k, v in self.tensors.items()}
 
+    def read(self, clients: np.ndarray) -> ClientState:
+        """:meth:`gather` for reading only: the stored tensors themselves (no copy) when
+        ``clients`` are all the store's clients in order."""
+        if len(clients) == self.num_clients and np.array_equal(clients, np.arange(len(clients))):
+            return dict(self.tensors)
+        return self.gather(clients)
+
     def scatter(self, clients: np.ndarray, states: ClientState) -> None:
         """Write the cohort's new states back and mark the clients visited."""
         self.write(clients, states)

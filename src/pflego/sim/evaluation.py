@@ -138,7 +138,7 @@ class Evaluation:
         rows = client_rows(  # moves the states to the device chunk by chunk
             self.algorithm,
             downlink_for,
-            self.store.gather(clients),
+            self.store.read(clients),
             pools,
             self.personalization(completed, clients=order),
             self.cfg.chunk_size,

@@ -40,6 +40,11 @@ from pflego.types import ClientData, ClientState, RoundContext
 #: intermediate small enough to be served from freed heap memory rather than fresh pages.
 EVAL_BYTES = 2**26
 SPLITS = ("train", "val", "test")
+#: On a CPU, chunks whose clients hold this many samples on average are evaluated client by
+#: client, reading their rows and states in place (no padded copies).
+LOOP_ROWS = 64
+#: The key of the downlink model's logits among the shared computations of an evaluation.
+LOGITS = "logits of the downlink's model"
 
 DownlinkFor = Callable[[np.ndarray], Params]
 AdaptInputs = Callable[[np.ndarray], ClientData]
@@ -84,9 +89,43 @@ def logit_metrics(logits: Tensor, y: Tensor, mask: Tensor, lmask: Tensor) -> tup
     label mask ``[..., K]``): one client's, or each of a batch of clients'."""
     logits = torch.where(lmask.unsqueeze(-2) > 0, logits, torch.finfo(logits.dtype).min)
     known = mask * (y >= 0).to(mask.dtype)
-    log_p = torch.log_softmax(logits, -1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    # log_softmax's value at y, without log_softmax over a last dimension of a few classes (on
+    # a CPU several times slower than logsumexp over it)
+    picked = logits.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    log_p = picked - torch.logsumexp(logits, -1)
     correct = (logits.argmax(-1) == y).to(mask.dtype)  # never true for the label -1
     return -(log_p * known).sum(-1) / known.sum(-1), (correct * mask).sum(-1) / mask.sum(-1)
+
+
+def looped_metrics(
+    predict: Callable[..., Tensor],
+    downlink: Params,
+    per_client_downlink: bool,
+    states: ClientState,
+    places: np.ndarray,
+    inputs: Tensor,
+    starts: Tensor,
+    pool: ClientPool,
+    ids: np.ndarray,
+    lmask: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """:func:`_client_metrics` of each client ``ids[j]`` in turn, on its rows of ``inputs`` from
+    ``starts[j]`` (the pool's inputs, or features laid out alike) and its state at
+    ``places[j]`` of ``states``, all read in place: on a CPU, for clients of many samples, faster
+    than one vmapped call on padded copies of them."""
+    losses, accuracies = [], []
+    ones = pool.x.new_ones(int(pool.sizes[ids].max(initial=0)))
+    for j, (client, start) in enumerate(zip(ids.tolist(), starts.tolist(), strict=True)):
+        n, first = int(pool.sizes[client]), int(pool.offsets[client])
+        own = {k: v[j] for k, v in downlink.items()} if per_client_downlink else downlink
+        state = {k: v[places[j]].to(inputs.device) for k, v in states.items()}
+        loss, acc = _client_metrics(
+            predict, own, state, inputs[start : start + n], pool.y[first : first + n],
+            ones[:n], lmask[j],
+        )  # fmt: skip
+        losses.append(loss)
+        accuracies.append(acc)
+    return torch.stack(losses), torch.stack(accuracies)
 
 
 def sample_elements(model: SplitModel, sample_shape: tuple[int, ...]) -> int:
@@ -166,6 +205,16 @@ class SharedFeatures:
         ]
         return torch.cat(parts) if len(parts) != 1 else parts[0]
 
+    def flat(self, ids: np.ndarray) -> tuple[Tensor, Tensor]:
+        """Features holding each client's rows one after the other, and where each one's start."""
+        sizes = torch.as_tensor(self.pool.sizes[ids], device=self.pool.offsets.device)
+        if self.whole:
+            if self.features is None:
+                self.features = self._body(self.pool.x)
+            return self.features, self.pool.offsets[torch.as_tensor(ids, device=sizes.device)]
+        rows, valid = self.pool.rows(ids)
+        return self._body(self.pool.x[rows[valid]]), torch.cumsum(sizes, 0) - sizes
+
     def padded(self, ids: np.ndarray) -> Tensor:
         """The clients' features ``[C, n_max, M]`` (padding rows hold any finite values)."""
         rows, valid = self.pool.rows(ids)
@@ -232,6 +281,11 @@ def evaluate_clients(
         for view, fn in views.items()
     }
     head_views = set()
+    # the default head on a shared body: a state without head or body entries predicts with
+    # the downlink's model, whose logits are computed once over the pool's rows
+    shared_head = (
+        algorithm.features_from_downlink and type(algorithm).predict_head is Algorithm.predict_head
+    )
     if algorithm.features_from_downlink:
         head_views = {"", "before_adapt"}
         head_metrics = vmap(
@@ -256,19 +310,31 @@ def evaluate_clients(
 
     def shared(split: str, view: str, ids: np.ndarray, downlink: Params) -> Tensor:
         if (split, view) not in bodies:
-            apply = (
-                partial(model.features, downlink)
-                if view == ""
-                else partial(views[view], downlink, None)
-            )
+            if view == "":
+                apply = partial(model.features, downlink)
+            elif view == LOGITS:
+                apply = partial(algorithm.predict, downlink, {})
+            else:
+                apply = partial(views[view], downlink, None)
             bodies[split, view] = SharedFeatures(apply, pools[split], ids_all, batch_rows)
         return bodies[split, view].padded(ids)
+
+    def shared_rows(split: str, ids: np.ndarray, downlink: Params) -> tuple[Tensor, Tensor]:
+        shared(split, "", ids[:0], downlink)  # creates it
+        return bodies[split, ""].flat(ids)
 
     for group in groups:
         ids = ids_all[group]
         index = torch.as_tensor(ids, device=device)
         downlink = downlink_for(ids)
-        raw = {k: v[torch.as_tensor(group, device=v.device)].to(device) for k, v in states.items()}
+        looped = device.type == "cpu" and sizes[group].mean() >= LOOP_ROWS
+        if looped and personalize is None:  # each client's state read in place
+            raw, places = states, group
+        else:
+            raw = {
+                k: v[torch.as_tensor(group, device=v.device)].to(device) for k, v in states.items()
+            }
+            places = np.arange(len(group))
         adapted = raw
         if personalize is not None:
             with torch.enable_grad():
@@ -281,9 +347,23 @@ def evaluate_clients(
             for view in views:
                 chunk_states = raw if view == "before_adapt" else adapted
                 whole = view not in head_views or any(k.startswith("body.") for k in chunk_states)
-                if view in once:
-                    logits = shared(split, view, ids, downlink)
+                if view in once or (
+                    shared_head
+                    and not whole
+                    and not any(k.startswith("head.") for k in chunk_states)
+                ):
+                    logits = shared(split, view if view in once else LOGITS, ids, downlink)
                     loss, acc = logit_metrics(logits, *labels, lmask)
+                elif looped:
+                    if whole:
+                        fn, inputs, starts = views[view], pool.x, pool.offsets[index]
+                    else:
+                        fn = algorithm.predict_head
+                        inputs, starts = shared_rows(split, ids, downlink)
+                    loss, acc = looped_metrics(
+                        fn, downlink, dl_dim is not None, chunk_states, places, inputs, starts,
+                        pool, ids, lmask,
+                    )  # fmt: skip
                 elif whole:
                     x, y, mask = pool.padded(ids)
                     loss, acc = metric_fns[view](downlink, chunk_states, x, y, mask, lmask)
