@@ -303,16 +303,24 @@ def test_evaluation_client_by_client_matches_the_vectorized_one(name: str, monke
     monkeypatch.setattr(
         metrics, "looped_metrics", lambda *args: calls.append(1) or looped_metrics(*args)
     )
+    few = np.array([5, 1])  # a minority of the samples: the body runs on their rows only
     for loop_rows in (0, 10**9):
         monkeypatch.setattr(metrics, "LOOP_ROWS", loop_rows)
         columns[loop_rows] = metrics.evaluate_clients(
             sim.algorithm, lambda ids: sim.downlink(ctx, ids), states, sim.pools,
             sim.personalization(1), chunk_size=4,
         )  # fmt: skip
+        columns[loop_rows, "few"] = metrics.evaluate_clients(
+            sim.algorithm, lambda ids: sim.downlink(ctx, ids), tree.map_(lambda v: v[few], states),
+            sim.pools, clients=few,
+        )  # fmt: skip
     assert calls  # the first evaluation ran client by client
-    assert columns[0].keys() == columns[10**9].keys()
-    for key, looped in columns[0].items():
-        np.testing.assert_allclose(looped, columns[10**9][key], rtol=0, atol=1e-12, err_msg=key)
+    for looped, vectorized in ((0, 10**9), ((0, "few"), (10**9, "few"))):
+        assert columns[looped].keys() == columns[vectorized].keys()
+        for key, value in columns[looped].items():
+            np.testing.assert_allclose(
+                value, columns[vectorized][key], rtol=0, atol=1e-12, err_msg=key
+            )
 
 
 def test_pflego_client_flops_grow_only_by_head_steps() -> None:

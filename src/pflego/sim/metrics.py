@@ -308,7 +308,7 @@ def evaluate_clients(
     bodies: dict[tuple[str, str], SharedFeatures] = {}
     once = set() if algorithm.per_client_downlink else set(algorithm.downlink_predictions)
 
-    def shared(split: str, view: str, ids: np.ndarray, downlink: Params) -> Tensor:
+    def shared(split: str, view: str, downlink: Params) -> SharedFeatures:
         if (split, view) not in bodies:
             if view == "":
                 apply = partial(model.features, downlink)
@@ -317,11 +317,7 @@ def evaluate_clients(
             else:
                 apply = partial(views[view], downlink, None)
             bodies[split, view] = SharedFeatures(apply, pools[split], ids_all, batch_rows)
-        return bodies[split, view].padded(ids)
-
-    def shared_rows(split: str, ids: np.ndarray, downlink: Params) -> tuple[Tensor, Tensor]:
-        shared(split, "", ids[:0], downlink)  # creates it
-        return bodies[split, ""].flat(ids)
+        return bodies[split, view]
 
     for group in groups:
         ids = ids_all[group]
@@ -352,14 +348,15 @@ def evaluate_clients(
                     and not whole
                     and not any(k.startswith("head.") for k in chunk_states)
                 ):
-                    logits = shared(split, view if view in once else LOGITS, ids, downlink)
+                    logits = shared(split, view if view in once else LOGITS, downlink).padded(ids)
                     loss, acc = logit_metrics(logits, *labels, lmask)
                 elif looped:
                     if whole:
                         fn, inputs, starts = views[view], pool.x, pool.offsets[index]
                     else:
-                        fn = algorithm.predict_head
-                        inputs, starts = shared_rows(split, ids, downlink)
+                        if features is None:  # (each client's rows, where they start)
+                            features = shared(split, "", downlink).flat(ids)
+                        fn, (inputs, starts) = algorithm.predict_head, features
                     loss, acc = looped_metrics(
                         fn, downlink, dl_dim is not None, chunk_states, places, inputs, starts,
                         pool, ids, lmask,
@@ -369,7 +366,7 @@ def evaluate_clients(
                     loss, acc = metric_fns[view](downlink, chunk_states, x, y, mask, lmask)
                 else:
                     if features is None:
-                        features = shared(split, "", ids, downlink)
+                        features = shared(split, "", downlink).padded(ids)
                     loss, acc = head_metrics(downlink, chunk_states, features, *labels, lmask)
                 suffix = f"_{view}" if view else ""
                 for name, value in ((f"{split}_loss{suffix}", loss), (f"{split}_acc{suffix}", acc)):
