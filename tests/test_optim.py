@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from pflego import tree
 from pflego.errors import ConfigError
 from pflego.optim import SGD, Adam, Momentum, make_optimizer
 
@@ -53,3 +54,20 @@ def test_update_does_not_mutate_inputs():
 def test_unknown_optimizer_is_a_config_error():
     with pytest.raises(ConfigError, match="unknown optimizer"):
         make_optimizer("rmsprop")
+
+
+def test_masked_updates_pick_leaves_in_place_outside_vmap_and_choose_per_client_under_it():
+    """tree.where, which masked updates use: a plain scalar condition picks the leaves
+    themselves (no copy); under vmap each client's condition chooses its own."""
+    new, old = {"w": torch.ones(3)}, {"w": torch.zeros(3)}
+    assert tree.where(torch.tensor(True), new, old)["w"] is new["w"]
+    assert tree.where(torch.tensor(False), new, old)["w"] is old["w"]
+    active = torch.tensor([True, False])
+    chosen = torch.vmap(lambda c, a, b: tree.where(c, {"w": a}, {"w": b})["w"])(
+        active, torch.ones(2, 3), torch.zeros(2, 3)
+    )
+    assert chosen.tolist() == [[1.0] * 3, [0.0] * 3]
+    params, grads = {"w": torch.ones(3)}, {"w": torch.ones(3)}
+    state = Adam().init(params)
+    kept, kept_state = Adam().masked_update(params, grads, state, 0.1, torch.tensor(False))
+    assert kept["w"] is params["w"] and all(kept_state[k] is v for k, v in state.items())

@@ -56,7 +56,16 @@ def sq_norm(a: Mapping[str, Tensor]) -> Tensor:
 
 
 def where(cond: Tensor, a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Params:
-    """Leaf-wise ``a if cond else b`` for a scalar boolean tensor ``cond``."""
+    """Leaf-wise ``a if cond else b`` for a scalar boolean tensor ``cond``.
+
+    A plain ``cond`` on the CPU picks the leaves themselves (no copy: ``torch.where`` copies each
+    leaf, at a few times a copy's cost); under a ``torch.func`` transform, or on another device
+    (where reading ``cond`` would wait for it), ``torch.where`` chooses.
+    """
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor(cond)
+    if cond.dim() == 0 and cond.device.type == "cpu" and not wrapped:
+        chosen = a if bool(cond) else b
+        return {k: chosen[k] for k in a}
     return {k: torch.where(cond, v, b[k]) for k, v in a.items()}
 
 

@@ -130,7 +130,7 @@ class APFL(Algorithm):
     def local_model(self, downlink, state):
         """v_i once the client has trained, else the global model w."""
         v = tree.strip_prefix("v.", state)
-        return {k: torch.where(state["trained"] > 0, v[k], w) for k, w in downlink.items()}
+        return tree.where(state["trained"] > 0, {k: v[k] for k in downlink}, downlink)
 
     def mixture(self, w, v, alpha):
         """``alpha v + (1 - alpha) w``, leaf by leaf."""

@@ -210,7 +210,7 @@ class PGFed(Algorithm):
         """theta_i once the client has trained, else the global model it receives."""
         trained, local = state["trained"] > 0, tree.strip_prefix("local.", state)
         theta = tree.select(downlink, MODEL)
-        return {k: torch.where(trained, local[k], v) for k, v in theta.items()}
+        return tree.where(trained, {k: local[k] for k in theta}, theta)
 
     def auxiliary_gradient(
         self, downlink: Params, state: ClientState
