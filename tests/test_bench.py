@@ -112,3 +112,31 @@ def test_the_conventional_fedper_head_comes_from_the_seed_not_the_global_generat
         heads.append(conventional_model(conventional, sim).state_dict()["head.weight"])
         assert torch.initial_seed() == global_seed  # the global generator is left alone
     assert torch.equal(heads[0], heads[1])
+
+
+def test_bench_against_takes_the_two_sides_rounds_in_turn(tmp_path, monkeypatch) -> None:
+    """On a shared machine the load changes: each timed conventional round is followed by
+    pflego's same round, so that a change falls on both sides alike."""
+    from pflego.bench import against
+
+    order = []
+    conventional = against.conventional_module()
+    conventional_rounds = conventional.time_rounds
+    monkeypatch.setattr(against, "conventional_module", lambda: conventional)
+    monkeypatch.setattr(
+        conventional,
+        "time_rounds",
+        lambda runner, cohorts, first_round=0: (
+            order.append(("conventional", first_round))
+            or conventional_rounds(runner, cohorts, first_round)
+        ),
+    )
+    ours = against.time_round
+    monkeypatch.setattr(
+        against, "time_round", lambda sim, t: order.append(("pflego", t)) or ours(sim, t)
+    )
+    run_bench(
+        data_dir=str(tmp_path), clients=10, threads=1, out=None, sections=["against"],
+        against_rounds=3, models=["mlp"], algorithms=["fedavg"],
+    )  # fmt: skip
+    assert order == [("conventional", 1), ("pflego", 1), ("conventional", 2), ("pflego", 2)]

@@ -159,12 +159,17 @@ def against_row(
             sim.run_round(0)
     if runner is not None:
         sim.run_round(0)
-        conv_s = conventional.time_rounds(runner, cohorts[1:], first_round=1)
+    conv_s, ours = [], []
+    for t in range(1, rounds):  # interleaved: a change in the machine's load falls on both sides
+        if runner is not None:
+            conv_s += conventional.time_rounds(runner, cohorts[t : t + 1], first_round=t)
+        ours.append(time_round(sim, t))
+    if runner is not None:
         conv_eval, conv_eval_s = timed(runner.evaluate)
+    record, eval_s = timed(lambda: sim.evaluate(rounds))
+    if runner is not None:
         with FlopCounterMode(display=False) as eval_counter:  # counted apart from its timing
             runner.evaluate()
-    ours = [time_round(sim, t) for t in range(1, rounds)]
-    record, eval_s = timed(lambda: sim.evaluate(rounds))
     peak = max(before, matmul_peak(device))
     train_ours = float(np.median(ours))
     train_conv = float(np.median(conv_s)) if runner is not None else math.nan
@@ -287,8 +292,9 @@ def against_section(
         f"{pick_dataset(data_dir)}, {clients} clients with 2 classes each, {participation:.0%} "
         "per round, batch 10, one local epoch, lr 0.01, the same split, seed, cohorts and initial "
         f"model on both sides; {where}, torch {torch.__version__}. "
-        f"Training: median of {rounds - 1} round(s) after a warm-up round; evaluation: every "
-        f"client's training and test splits; accuracy after {rounds} rounds. GFLOP: the "
+        f"Training: median of {rounds - 1} round(s) after a warm-up round, the two sides' rounds "
+        "taken in turn; evaluation: every client's training and test splits, one side's right "
+        f"after the other's; accuracy after {rounds} rounds. GFLOP: the "
         "conventional round's and evaluation's matrix products and convolutions (torch's FLOP "
         "counter; — where benchmarks/conventional.py lacks the algorithm); peak: the float32 "
         "matmul peak of this machine during the row (the better of a 2048² product's speed, "
