@@ -268,6 +268,19 @@ def test_cifar_wrong_shapes_and_missing_test(tmp_path):
         load_dataset("cifar10", tmp_path)
 
 
+@pytest.mark.parametrize("position", [7440, 13641, 17722, 20425])
+def test_cifar_tarball_with_a_flipped_bit_fails_in_one_line(tmp_path, offline_cache, position):
+    """A bit flipped inside the compressed stream makes zlib raise its own error, which is not an
+    OSError (found by the damaged-files fuzzer; these positions did so with zlib 1.x)."""
+    path = write_cifar100_tar(tmp_path / "cifar-100-python.tar.gz")
+    raw = bytearray(path.read_bytes())
+    raw[position] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DataError) as exc:
+        load_dataset("cifar100", tmp_path)
+    assert "cifar-100-python.tar.gz" in assert_one_line(exc)
+
+
 def test_cifar_missing(tmp_path):
     with pytest.raises(DataError) as exc:
         load_dataset("cifar100", tmp_path)

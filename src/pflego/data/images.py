@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
@@ -38,7 +39,7 @@ def zip_members(
                 parts = PurePosixPath(info.filename).parts
                 if keep(parts):
                     out.append((parts, f"{source}:{info.filename}", z.read(info)))
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+    except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:
         raise DataError(f"cannot read {source} ({exc}); replace it with {official}") from None
     return out
 

@@ -13,6 +13,7 @@ split into train and test by the partition (``test_fraction``; PGFed: 75/25).
 from __future__ import annotations
 
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ def read_medmnist(path: Path) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
         raise DataError(f"cannot read {path} ({exc}); replace it with the official file") from None
     xs, ys = [], []
     for split in SPLITS:

@@ -7,6 +7,7 @@ import logging
 import pickle
 import tarfile
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ def _emnist_read(source: Path, member: str) -> np.ndarray:
         raise DataError(
             f"missing {where}; put the official EMNIST gzip.zip in {source.parent}"
         ) from None
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+    except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:
         raise DataError(
             f"cannot read {where} ({exc}); replace it with the official EMNIST gzip.zip"
         ) from None
@@ -193,7 +194,7 @@ def _cifar_members(source: Path, is_folder: bool, folder_name: str) -> dict[str,
                 for m in tar.getmembers()
                 if m.isfile() and Path(m.name).parent.name == folder_name
             }
-    except (tarfile.TarError, OSError, EOFError) as exc:
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:  # zlib: a damaged stream
         raise DataError(
             f"cannot read {source} ({exc}); replace it with the official tarball"
         ) from None
