@@ -291,10 +291,10 @@ def step_inputs(
     plan: tuple[Layer, ...], loss: ModelLoss, data: ClientData, batches: Tensor, batch_mask: Tensor
 ) -> StepInputs:
     """The inputs of the steps ``batches`` / ``batch_mask`` (``[S, B]``, every step real),
-    gathered once: each step's input, ``onehot(y)^T * mask / n`` ``[S, K, B]`` and ``mask / n`` ``[S, B]``
-    (times the samples' weights when the loss has them); with the loss's centroids, each row's
-    centroid ``[S, B, M]`` and ``2 centroid_weights[y] mask / n`` ``[S, B, 1]`` (else empty;
-    with ``class_means``, ``n`` is the number of the row's class in its minibatch)."""
+    gathered once: each step's input, ``onehot(y)^T * mask / n`` ``[S, K, B]`` and ``mask / n``
+    ``[S, B]`` (times the samples' weights when the loss has them); with the loss's centroids,
+    each row's centroid ``[S, B, M]`` and ``2 centroid_weights[y] mask / n`` ``[S, B, 1]`` (else
+    empty; with ``class_means``, ``n`` is the number of the row's class in its minibatch)."""
     plain_weights = batch_mask / batch_mask.sum(1, keepdim=True).clamp(min=1)  # [S, B]: mask / n_s
     weights = plain_weights
     if loss.sample_weights is not None:  # [S, B]: w_idx * mask / n_s

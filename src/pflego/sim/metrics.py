@@ -115,8 +115,9 @@ def looped_metrics(
     than one vmapped call on padded copies of them."""
     losses, accuracies = [], []
     ones = pool.x.new_ones(int(pool.sizes[ids].max(initial=0)))
-    for j, (client, start) in enumerate(zip(ids.tolist(), starts.tolist(), strict=True)):
-        n, first = int(pool.sizes[client]), int(pool.offsets[client])
+    firsts = pool.offsets[torch.as_tensor(ids, device=pool.offsets.device)].tolist()
+    rows = zip(pool.sizes[ids].tolist(), firsts, starts.tolist(), strict=True)
+    for j, (n, first, start) in enumerate(rows):
         own = {k: v[j] for k, v in downlink.items()} if per_client_downlink else downlink
         state = {k: v[places[j]].to(inputs.device) for k, v in states.items()}
         loss, acc = _client_metrics(
@@ -205,13 +206,17 @@ class SharedFeatures:
         ]
         return torch.cat(parts) if len(parts) != 1 else parts[0]
 
+    def whole_pool(self) -> Tensor:
+        """The function over every row of the pool, computed once."""
+        if self.features is None:
+            self.features = self._body(self.pool.x)
+        return self.features
+
     def flat(self, ids: np.ndarray) -> tuple[Tensor, Tensor]:
         """Features holding each client's rows one after the other, and where each one's start."""
         sizes = torch.as_tensor(self.pool.sizes[ids], device=self.pool.offsets.device)
         if self.whole:
-            if self.features is None:
-                self.features = self._body(self.pool.x)
-            return self.features, self.pool.offsets[torch.as_tensor(ids, device=sizes.device)]
+            return self.whole_pool(), self.pool.offsets[torch.as_tensor(ids, device=sizes.device)]
         rows, valid = self.pool.rows(ids)
         return self._body(self.pool.x[rows[valid]]), torch.cumsum(sizes, 0) - sizes
 
@@ -219,9 +224,7 @@ class SharedFeatures:
         """The clients' features ``[C, n_max, M]`` (padding rows hold any finite values)."""
         rows, valid = self.pool.rows(ids)
         if self.whole:
-            if self.features is None:
-                self.features = self._body(self.pool.x)
-            return take(self.features, rows)
+            return take(self.whole_pool(), rows)
         features = self._body(self.pool.x[rows[valid]])
         padded = features.new_zeros((*rows.shape, features.shape[-1]))
         padded[valid] = features
