@@ -4,7 +4,8 @@ This is the baseline of ``pflego bench --against conventional``. Every sampled c
 ``copy.deepcopy`` of an ``nn.Module``, reads its data through ``DataLoader(batch_size,
 shuffle=True)``, trains with ``torch.optim.SGD`` and ``loss.backward()``, and clients run one after
 another; evaluation goes client by client through ``DataLoader``s of the training batch size (as
-PFLlib evaluates), over every client's test and training data.
+PFLlib evaluates), over every client's test and training data, of the models pflego reports (for
+pFedMe and Per-FedAvg, the global model too).
 
 FedAvg averages whole models by N_i; FedPer averages the body and keeps each client's last layer;
 Ditto trains the global copy as FedAvg and a personal model on ``F_k(v) + lam/2 ||v - w^t||^2``;
@@ -333,28 +334,43 @@ class ConventionalFL:
             return model
         return self.model
 
+    def extra_views(self) -> dict[str, nn.Module]:
+        """The other models pflego reports beside the personalized one, by its metric suffix:
+        pFedMe's global model (its authors' code evaluates both every round) and Per-FedAvg's
+        model before its personalization step (the same global model)."""
+        if self.algorithm == "pfedme":
+            return {"_global": self.model}
+        if self.algorithm == "perfedavg":
+            return {"_before_adapt": self.model}
+        return {}
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Every client, one after another: test accuracy (mean over clients) and the training
-        loss (weighted by N_i)."""
-        accuracies, losses, sizes = [], [], []
+        loss (weighted by N_i), of its personalized model and of each of :meth:`extra_views`."""
+        extra = self.extra_views()
+        accuracies, losses, sizes = {v: [] for v in ("", *extra)}, {v: [] for v in ("", *extra)}, []
         for i, data in enumerate(self.clients):
-            model = self.client_model(i)
-            model.eval()
-            correct = total = 0
-            test = DataLoader(TensorDataset(data.x_test, data.y_test), self.batch_size)
-            for x, y in self.on_device(test):
-                correct += int((model(x).argmax(1) == y).sum())
-                total += len(y)
-            loss_sum = 0.0
-            train = DataLoader(TensorDataset(data.x_train, data.y_train), self.batch_size)
-            for x, y in self.on_device(train):
-                loss_sum += float(self.loss(model(x), y)) * len(y)
-            accuracies.append(correct / max(total, 1))
-            losses.append(loss_sum / max(len(data.y_train), 1))
+            for view, model in {"": self.client_model(i), **extra}.items():
+                model.eval()
+                correct = total = 0
+                test = DataLoader(TensorDataset(data.x_test, data.y_test), self.batch_size)
+                for x, y in self.on_device(test):
+                    correct += int((model(x).argmax(1) == y).sum())
+                    total += len(y)
+                loss_sum = 0.0
+                train = DataLoader(TensorDataset(data.x_train, data.y_train), self.batch_size)
+                for x, y in self.on_device(train):
+                    loss_sum += float(self.loss(model(x), y)) * len(y)
+                accuracies[view].append(correct / max(total, 1))
+                losses[view].append(loss_sum / max(len(data.y_train), 1))
             sizes.append(len(data.y_train))
         alpha = np.array(sizes, np.float64) / sum(sizes)
-        return {"test_acc": float(np.mean(accuracies)), "train_loss": float(alpha @ losses)}
+        metrics = {}
+        for view in accuracies:
+            metrics[f"test_acc{view}"] = float(np.mean(accuracies[view]))
+            metrics[f"train_loss{view}"] = float(alpha @ losses[view])
+        return metrics
 
 
 def time_rounds(

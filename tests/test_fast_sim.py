@@ -290,7 +290,9 @@ def test_vectorized_evaluation_matches_per_client(name: str) -> None:
     assert legacy["train_loss"] == pytest.approx(sim.evaluate(1)["train_loss"], abs=1e-10)
 
 
-@pytest.mark.parametrize("name", ["ditto", "fedper", "pgfed", "perfedavg", "fedrod"])
+@pytest.mark.parametrize(
+    "name", ["ditto", "fedper", "pgfed", "perfedavg", "fedrod", "fedavg+", "knn-per"]
+)
 def test_evaluation_client_by_client_matches_the_vectorized_one(name: str, monkeypatch) -> None:
     """On a CPU, chunks of large clients are evaluated one client at a time on rows read in
     place (metrics.LOOP_ROWS); the numbers are the vmapped, padded evaluation's."""

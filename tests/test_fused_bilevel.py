@@ -107,6 +107,24 @@ def test_perfedavg_meta_steps_fused_equal_autograd(name, variant):
     assert fuses(algorithm, params, state, data, CTX)
 
 
+@pytest.mark.parametrize("name", ["mlp", "conv"])
+@pytest.mark.parametrize("rows", [[0], [0, 2], [1, 0]], ids=["one", "two", "empty-first"])
+def test_perfedavg_adapt_fused_equals_autograd(name, rows):
+    """The evaluation's step(s) from w (alpha, then beta with ``personalize="code"``) in one fused
+    call; an empty minibatch's step changes nothing."""
+    model, params, data = meta_client(name)  # row 1 of its schedule is empty
+    data = data._replace(batches=data.batches[rows], batch_mask=data.batch_mask[rows])
+    algorithm = PerFedAvg(model=model, alpha=0.2, personalize="code", client_optimizer=SGD())
+    reference = algorithm.adapt(params, {}, data, CTX)
+    with fused_steps() as counts:
+        fused = algorithm.adapt(params, {}, data, CTX)
+    assert (counts.fused, counts.autograd) == (1, 0)
+    assert fused.keys() == reference.keys()
+    for k in reference:
+        torch.testing.assert_close(fused[k], reference[k], atol=1e-10, rtol=1e-9, msg=k)
+    assert not torch.equal(fused["head.weight"], params["head.weight"])  # one real step at least
+
+
 def test_perfedavg_what_does_not_fuse_runs_autograd():
     """HF's Hessian-vector product and an l2 term in f run autograd, and ``fuses`` says so."""
     model, params, data = meta_client("mlp")

@@ -19,6 +19,8 @@ from conftest import TINY
 import pflego.sim.metrics as evaluation
 from pflego import tree
 from pflego.algorithms.fedper import FedPer
+from pflego.algorithms.perfedavg import PerFedAvg
+from pflego.algorithms.pfedme import PFedMe
 from pflego.algorithms.pgfed import PGFed
 from pflego.cli import main
 from pflego.config import load_config
@@ -277,10 +279,17 @@ def test_the_conventional_fedavg_is_pflegos_fedavg_on_the_same_batches():
         sim.run_round(t)
     close(dict(runner.model.state_dict()), sim.server["params"], atol=1e-9)
     assert runner.evaluate()["test_acc"] == pytest.approx(sim.evaluate(2)["test_acc"])
-    for name in base.ALGORITHMS:  # every baseline runs its rounds and evaluation
+    # every baseline runs its rounds and evaluates the models pflego reports: pFedMe's global
+    # model and Per-FedAvg's before its step too
+    views = {"pfedme": "_global", "perfedavg": "_before_adapt"}
+    assert PFedMe.downlink_predictions == ("global",) and PerFedAvg.adapts
+    for name in base.ALGORITHMS:
         other = base.ConventionalFL(name, runner.model, runner.clients, batch_size=4, lr=0.05)
         other.train_round(0, sim.cohort(0))
-        assert 0 <= other.evaluate()["test_acc"] <= 1
+        metrics = other.evaluate()
+        suffixes = ("", views[name]) if name in views else ("",)
+        assert metrics.keys() == {f"{m}{v}" for m in ("test_acc", "train_loss") for v in suffixes}
+        assert all(0 <= metrics[f"test_acc{v}"] <= 1 for v in suffixes)
 
 
 @pytest.mark.parametrize("backend", ["loop", "fused"])

@@ -155,9 +155,7 @@ class PerFedAvg(Algorithm):
         minibatches, a step of alpha from a copy w' of w (``code``: from w itself), and a step
         of beta on w with the gradient at w'."""
         rows = real_rows(meta)
-        plain = type(self).loss is Algorithm.loss and type(self).objective is PerFedAvg.objective
-        decay = getattr(self.client_optimizer, "weight_decay", 0.0)
-        if rows is None or not plain or decay or self.variant == "hf":
+        if rows is None or not self.plain_steps or self.variant == "hf":
             return None
         real, size = set(rows), self.batches_per_step
         pad = -meta.batches.shape[0] % size  # as ``grouped``: padding rows come first
@@ -189,15 +187,37 @@ class PerFedAvg(Algorithm):
         trained, values = fused.points, fused.values
         return trained[0], values[0::2].mean()  # f(w; D) of each meta-step
 
+    @property
+    def plain_steps(self) -> bool:
+        """Whether f is the model's plain cross-entropy, whose gradient steps may run fused."""
+        plain = type(self).loss is Algorithm.loss and type(self).objective is PerFedAvg.objective
+        return plain and not getattr(self.client_optimizer, "weight_decay", 0.0)
+
     def adapt(self, downlink, state, data: ClientData, ctx: RoundContext):
         """One step ``w - alpha grad f(w; D)`` from the received model (``code``: then a beta step)."""
+        step_sizes = [self.alpha, float(ctx.client_lr)][: data.batches.shape[0]]
+        fused = fused_or_none(lambda: self.fused_adapt(downlink, data, step_sizes))
+        if fused is not None:
+            return fused
         w = dict(downlink)
-        step_sizes = [self.alpha, ctx.client_lr][: data.batches.shape[0]]
         for k, lr in enumerate(step_sizes):
             x, y, mask = minibatch(data, (data.batches[k], data.batch_mask[k]))
             g = grad(self.objective)(w, x, y, mask, data.label_mask)
             w = tree.where(mask.sum() > 0, tree.axpy(-lr, g, w), w)
         return w
+
+    def fused_adapt(
+        self, downlink: Params, data: ClientData, step_sizes: list[float]
+    ) -> Params | None:
+        """:meth:`adapt`'s steps as one fused program, or ``None`` where they do not fuse."""
+        rows = real_rows(data)
+        if rows is None or not self.plain_steps:
+            return None
+        substeps = [Substep(0, 0, lr, 1.0, k) for k, lr in enumerate(step_sizes) if k in rows]
+        if not substeps:
+            return {k: v.clone() for k, v in downlink.items()}
+        fused = fused_program(ModelLoss(self.model, data.label_mask), [downlink], data, substeps)
+        return None if fused is None else fused.points[0]
 
 
 def grouped(rows: Tensor, size: int) -> Tensor:

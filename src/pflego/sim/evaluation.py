@@ -14,10 +14,10 @@ from pflego import tree
 from pflego.config import Config
 from pflego.history import snapshot
 from pflego.rng import adapt_rng, seed_for
-from pflego.sim.clients import ClientPool
+from pflego.sim.clients import ClientPool, Cohort
 from pflego.sim.guards import deferred_interrupts
 from pflego.sim.metrics import Personalization, client_rows, summarize
-from pflego.types import ClientData, RoundContext
+from pflego.types import RoundContext
 
 
 class Evaluation:
@@ -39,11 +39,13 @@ class Evaluation:
             plan = plan._replace(local_epochs=self.cfg.join_epochs)
         offset = self.exp.data.num_clients if unseen else 0
 
-        def inputs(ids: np.ndarray) -> ClientData:
+        def cohort(ids: np.ndarray) -> Cohort:
             rng = lambda i, stream: adapt_rng(self.cfg.seed, completed, i + offset, stream)  # noqa: E731
-            return pool.cohort(ids if clients is None else clients[ids], plan, rng).data
+            return pool.cohort(ids if clients is None else clients[ids], plan, rng)
 
-        return Personalization("join" if unseen else "adapt", inputs, self.context(completed))
+        method = "join" if unseen else "adapt"
+        inputs = lambda ids: cohort(ids).data  # noqa: E731
+        return Personalization(method, inputs, self.context(completed), cohort)
 
     def evaluate(self, completed: int) -> dict[str, Any]:
         """Evaluate every client (or the fixed sample ``eval_clients``), and every unseen client,

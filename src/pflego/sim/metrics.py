@@ -6,8 +6,10 @@ memory their activations take (:data:`EVAL_BYTES`): for each chunk, the algorith
 splits, then ``predict`` (and each of the algorithm's extra ``predictions``) runs on every split
 of a :class:`~pflego.sim.clients.ClientPool` that already lives on the device. When the body
 comes from the shared downlink (``Algorithm.features_from_downlink``), it runs once over the
-chunk's real samples as one large batch, and only the heads run per client. Adapted states are
-used for that evaluation only and never stored.
+chunk's real samples as one large batch, and only the heads run per client. On a CPU, chunks of
+large clients (:data:`LOOP_ROWS`) are personalized and evaluated one client at a time on its own
+rows instead (fused steps where they fuse). Adapted states are used for that evaluation only and
+never stored.
 
 Metric names: ``<split>_<loss|acc>`` for the personalized model (after ``adapt`` when the
 algorithm has one), ``<split>_<loss|acc>_before_adapt`` for the same clients without it, and
@@ -30,8 +32,9 @@ from pflego import tree
 from pflego.algorithms import Algorithm
 from pflego.data import FederatedData
 from pflego.data.stream import GeneratedClients
+from pflego.local import fused_steps
 from pflego.models import SplitModel, apply_layers
-from pflego.sim.clients import ClientPool, take
+from pflego.sim.clients import ClientPool, Cohort, take
 from pflego.sim.generated import generated_pools
 from pflego.tree import Params
 from pflego.types import ClientData, ClientState, RoundContext
@@ -48,6 +51,7 @@ LOGITS = "logits of the downlink's model"
 
 DownlinkFor = Callable[[np.ndarray], Params]
 AdaptInputs = Callable[[np.ndarray], ClientData]
+AdaptCohort = Callable[[np.ndarray], Cohort]
 
 
 @dataclass(frozen=True)
@@ -58,11 +62,14 @@ class Personalization:
         method: ``adapt`` (clients that trained) or ``join`` (clients that never trained).
         inputs: The padded training data and ``adapt_schedule`` batches of given client ids.
         ctx: The round context handed to the method.
+        cohort: The same as a :class:`~pflego.sim.clients.Cohort`, whose clients can also be
+            personalized one by one on their own rows (``None``: only ``inputs``).
     """
 
     method: str
     inputs: AdaptInputs
     ctx: RoundContext
+    cohort: AdaptCohort | None = None
 
 
 def _client_metrics(
@@ -101,32 +108,64 @@ def looped_metrics(
     predict: Callable[..., Tensor],
     downlink: Params,
     per_client_downlink: bool,
-    states: ClientState,
-    places: np.ndarray,
+    states: list[ClientState],
     inputs: Tensor,
     starts: Tensor,
     pool: ClientPool,
     ids: np.ndarray,
     lmask: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`_client_metrics` of each client ``ids[j]`` in turn, on its rows of ``inputs`` from
-    ``starts[j]`` (the pool's inputs, or features laid out alike) and its state at
-    ``places[j]`` of ``states``, all read in place: on a CPU, for clients of many samples, faster
-    than one vmapped call on padded copies of them."""
+    """:func:`_client_metrics` of each client ``ids[j]`` in turn, with its state ``states[j]``,
+    on its rows of ``inputs`` from ``starts[j]`` (the pool's inputs, or features laid out alike),
+    read in place: on a CPU, for clients of many samples, faster than one vmapped call on padded
+    copies of them."""
     losses, accuracies = [], []
     ones = pool.x.new_ones(int(pool.sizes[ids].max(initial=0)))
     firsts = pool.offsets[torch.as_tensor(ids, device=pool.offsets.device)].tolist()
     rows = zip(pool.sizes[ids].tolist(), firsts, starts.tolist(), strict=True)
     for j, (n, first, start) in enumerate(rows):
-        own = {k: v[j] for k, v in downlink.items()} if per_client_downlink else downlink
-        state = {k: v[places[j]].to(inputs.device) for k, v in states.items()}
         loss, acc = _client_metrics(
-            predict, own, state, inputs[start : start + n], pool.y[first : first + n],
-            ones[:n], lmask[j],
+            predict, own_downlink(downlink, per_client_downlink, j), states[j],
+            inputs[start : start + n], pool.y[first : first + n], ones[:n], lmask[j],
         )  # fmt: skip
         losses.append(loss)
         accuracies.append(acc)
     return torch.stack(losses), torch.stack(accuracies)
+
+
+def own_downlink(downlink: Params, per_client_downlink: bool, j: int) -> Params:
+    """The downlink of the ``j``-th client of a chunk."""
+    return {k: v[j] for k, v in downlink.items()} if per_client_downlink else downlink
+
+
+def client_states(states: ClientState, places: np.ndarray, device: torch.device) -> list:
+    """The states at ``places`` of stacked ``states``, one dict each (views where on ``device``)."""
+    return [{k: v[p].to(device) for k, v in states.items()} for p in places.tolist()]
+
+
+def personalized(
+    algorithm: Algorithm,
+    personalization: Personalization,
+    downlink: Params,
+    states: list[ClientState],
+    ids: np.ndarray,
+) -> list[ClientState]:
+    """Each client's ``adapt`` (or ``join``) on its own rows, one after another (no padding;
+    fused steps where the algorithm's steps fuse)."""
+    method = getattr(algorithm, personalization.method)
+    cohort = personalization.cohort(ids)
+    with torch.enable_grad(), fused_steps():
+        return [
+            tree.detach(
+                method(
+                    own_downlink(downlink, algorithm.per_client_downlink, j),
+                    state,
+                    cohort.client(j),
+                    personalization.ctx,
+                )
+            )
+            for j, state in enumerate(states)
+        ]
 
 
 def sample_elements(model: SplitModel, sample_shape: tuple[int, ...]) -> int:
@@ -327,17 +366,26 @@ def evaluate_clients(
         index = torch.as_tensor(ids, device=device)
         downlink = downlink_for(ids)
         looped = device.type == "cpu" and sizes[group].mean() >= LOOP_ROWS
-        if looped and personalize is None:  # each client's state read in place
-            raw, places = states, group
+        if looped and (personalize is None or personalization.cohort is not None):
+            # each client's state read in place, personalized on its own rows
+            raw = client_states(states, group, device)
+            adapted = raw
+            if personalize is not None:
+                adapted = personalized(algorithm, personalization, downlink, raw, ids)
         else:
             raw = {
                 k: v[torch.as_tensor(group, device=v.device)].to(device) for k, v in states.items()
             }
-            places = np.arange(len(group))
-        adapted = raw
-        if personalize is not None:
-            with torch.enable_grad():
-                adapted = tree.detach(personalize(downlink, raw, personalization.inputs(ids)))
+            adapted = raw
+            if personalize is not None:
+                with torch.enable_grad():
+                    adapted = tree.detach(personalize(downlink, raw, personalization.inputs(ids)))
+            if looped:
+                every = np.arange(len(group))
+                raw, adapted = (
+                    client_states(raw, every, device),
+                    client_states(adapted, every, device),
+                )
         for split, pool in pools.items():
             features = None
             rows, valid = pool.rows(ids)
@@ -345,12 +393,14 @@ def evaluate_clients(
             lmask = pool.label_masks[index]
             for view in views:
                 chunk_states = raw if view == "before_adapt" else adapted
-                whole = view not in head_views or any(k.startswith("body.") for k in chunk_states)
-                if view in once or (
-                    shared_head
-                    and not whole
-                    and not any(k.startswith("head.") for k in chunk_states)
-                ):
+                keys = chunk_states[0] if looped else chunk_states  # one client's state's keys
+                whole = view not in head_views or any(k.startswith("body.") for k in keys)
+                # the personalized model with an empty state, or a head fixed by the downlink
+                downlink_model = view in ("", "before_adapt") and (
+                    (not keys and not algorithm.per_client_downlink)
+                    or (shared_head and not whole and not any(k.startswith("head.") for k in keys))
+                )
+                if view in once or downlink_model:
                     logits = shared(split, view if view in once else LOGITS, downlink).padded(ids)
                     loss, acc = logit_metrics(logits, *labels, lmask)
                 elif looped:
@@ -361,8 +411,8 @@ def evaluate_clients(
                             features = shared(split, "", downlink).flat(ids)
                         fn, (inputs, starts) = algorithm.predict_head, features
                     loss, acc = looped_metrics(
-                        fn, downlink, dl_dim is not None, chunk_states, places, inputs, starts,
-                        pool, ids, lmask,
+                        fn, downlink, dl_dim is not None, chunk_states, inputs, starts, pool, ids,
+                        lmask,
                     )  # fmt: skip
                 elif whole:
                     x, y, mask = pool.padded(ids)
