@@ -325,6 +325,25 @@ def test_evaluation_client_by_client_matches_the_vectorized_one(name: str, monke
             )
 
 
+def test_evaluation_personalizes_client_by_client_as_the_run_trains(monkeypatch) -> None:
+    """Large clients adapt one by one on their own rows: with fused steps on the ``fused``
+    backend (FedAvg+'s fine-tuning), with autograd on ``loop``; the metrics agree."""
+    enabled, fused_steps = [], metrics.fused_steps
+    monkeypatch.setattr(
+        metrics, "fused_steps", lambda on=True: enabled.append(on) or fused_steps(on)
+    )
+    monkeypatch.setattr(metrics, "LOOP_ROWS", 0)
+    records = {}
+    for backend in ("fused", "loop"):
+        sim = Simulation(ragged_experiment("fedavg+", backend=backend), None)
+        sim.run_round(0)
+        records[backend] = sim.evaluate(1)
+    assert enabled and enabled == [True] * (len(enabled) // 2) + [False] * (len(enabled) // 2)
+    assert records["fused"]["test_acc"] == pytest.approx(records["loop"]["test_acc"], abs=1e-12)
+    assert records["fused"]["train_loss"] == pytest.approx(records["loop"]["train_loss"], abs=1e-9)
+    assert records["fused"]["train_loss"] != records["fused"]["train_loss_before_adapt"]
+
+
 def test_pflego_client_flops_grow_only_by_head_steps() -> None:
     """Body work is constant in tau; each extra head step costs only K x M x n products."""
     flops = {}

@@ -126,7 +126,9 @@ class ClientNode:
             )[0]
             inputs = client_data(self.data, 0, self.algorithm.label_space, batches, self.dtype)
             stacked = tree_map(lambda t: t.unsqueeze(0), inputs)
-            personalization = Personalization("adapt", lambda ids: stacked, ctx)
+            personalization = Personalization(
+                "adapt", lambda ids: stacked, ctx, lambda ids: [inputs]
+            )
         one = downlink
         if self.algorithm.per_client_downlink:
             one = {k: v.unsqueeze(0) for k, v in downlink.items()}

@@ -17,7 +17,7 @@ from pflego.rng import adapt_rng, seed_for
 from pflego.sim.clients import ClientPool, Cohort
 from pflego.sim.guards import deferred_interrupts
 from pflego.sim.metrics import Personalization, client_rows, summarize
-from pflego.types import RoundContext
+from pflego.types import ClientData, RoundContext
 
 
 class Evaluation:
@@ -43,9 +43,17 @@ class Evaluation:
             rng = lambda i, stream: adapt_rng(self.cfg.seed, completed, i + offset, stream)  # noqa: E731
             return pool.cohort(ids if clients is None else clients[ids], plan, rng)
 
-        method = "join" if unseen else "adapt"
-        inputs = lambda ids: cohort(ids).data  # noqa: E731
-        return Personalization(method, inputs, self.context(completed), cohort)
+        def clients_of(ids: np.ndarray) -> list[ClientData]:
+            chunk = cohort(ids)
+            return [chunk.client(j) for j in range(len(chunk))]
+
+        return Personalization(
+            "join" if unseen else "adapt",
+            lambda ids: cohort(ids).data,
+            self.context(completed),
+            clients_of,
+            fused=self.backend_name == "fused",
+        )
 
     def evaluate(self, completed: int) -> dict[str, Any]:
         """Evaluate every client (or the fixed sample ``eval_clients``), and every unseen client,

@@ -8,7 +8,7 @@ of a :class:`~pflego.sim.clients.ClientPool` that already lives on the device. W
 comes from the shared downlink (``Algorithm.features_from_downlink``), it runs once over the
 chunk's real samples as one large batch, and only the heads run per client. On a CPU, chunks of
 large clients (:data:`LOOP_ROWS`) are personalized and evaluated one client at a time on its own
-rows instead (fused steps where they fuse). Adapted states are used for that evaluation only and
+rows instead (fused steps where they fuse, on the ``fused`` backend). Adapted states are used for that evaluation only and
 never stored.
 
 Metric names: ``<split>_<loss|acc>`` for the personalized model (after ``adapt`` when the
@@ -34,7 +34,7 @@ from pflego.data import FederatedData
 from pflego.data.stream import GeneratedClients
 from pflego.local import fused_steps
 from pflego.models import SplitModel, apply_layers
-from pflego.sim.clients import ClientPool, Cohort, take
+from pflego.sim.clients import ClientPool, take
 from pflego.sim.generated import generated_pools
 from pflego.tree import Params
 from pflego.types import ClientData, ClientState, RoundContext
@@ -51,7 +51,7 @@ LOGITS = "logits of the downlink's model"
 
 DownlinkFor = Callable[[np.ndarray], Params]
 AdaptInputs = Callable[[np.ndarray], ClientData]
-AdaptCohort = Callable[[np.ndarray], Cohort]
+AdaptClients = Callable[[np.ndarray], list[ClientData]]
 
 
 @dataclass(frozen=True)
@@ -62,14 +62,17 @@ class Personalization:
         method: ``adapt`` (clients that trained) or ``join`` (clients that never trained).
         inputs: The padded training data and ``adapt_schedule`` batches of given client ids.
         ctx: The round context handed to the method.
-        cohort: The same as a :class:`~pflego.sim.clients.Cohort`, whose clients can also be
-            personalized one by one on their own rows (``None``: only ``inputs``).
+        clients: The same, each client's on its own rows (no padding), for personalizing them
+            one by one (``None``: only ``inputs``).
+        fused: Whether those one-by-one personalizations run fused steps where they fuse (as
+            the run's training does on the ``fused`` backend).
     """
 
     method: str
     inputs: AdaptInputs
     ctx: RoundContext
-    cohort: AdaptCohort | None = None
+    clients: AdaptClients | None = None
+    fused: bool = False
 
 
 def _client_metrics(
@@ -151,16 +154,16 @@ def personalized(
     ids: np.ndarray,
 ) -> list[ClientState]:
     """Each client's ``adapt`` (or ``join``) on its own rows, one after another (no padding;
-    fused steps where the algorithm's steps fuse)."""
+    fused steps where they fuse and ``personalization.fused`` says so)."""
     method = getattr(algorithm, personalization.method)
-    cohort = personalization.cohort(ids)
-    with torch.enable_grad(), fused_steps():
+    own_rows = personalization.clients(ids)
+    with torch.enable_grad(), fused_steps(personalization.fused):
         return [
             tree.detach(
                 method(
                     own_downlink(downlink, algorithm.per_client_downlink, j),
                     state,
-                    cohort.client(j),
+                    own_rows[j],
                     personalization.ctx,
                 )
             )
@@ -366,7 +369,7 @@ def evaluate_clients(
         index = torch.as_tensor(ids, device=device)
         downlink = downlink_for(ids)
         looped = device.type == "cpu" and sizes[group].mean() >= LOOP_ROWS
-        if looped and (personalize is None or personalization.cohort is not None):
+        if looped and (personalize is None or personalization.clients is not None):
             # each client's state read in place, personalized on its own rows
             raw = client_states(states, group, device)
             adapted = raw
