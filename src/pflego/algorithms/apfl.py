@@ -133,8 +133,9 @@ class APFL(Algorithm):
         return tree.where(state["trained"] > 0, {k: v[k] for k in downlink}, downlink)
 
     def mixture(self, w, v, alpha):
-        """``alpha v + (1 - alpha) w``, leaf by leaf."""
-        return {k: alpha * v[k] + (1 - alpha) * w[k] for k in w}
+        """``alpha v + (1 - alpha) w``, leaf by leaf (one ``lerp`` pass each, as the fused step
+        mixes)."""
+        return {k: torch.lerp(w[k], v[k], alpha) for k in w}
 
     def local_optimizer(self) -> Optimizer:
         """The client optimizer, its weight decay (if any) kept off the mixing weight alpha_i."""

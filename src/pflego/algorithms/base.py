@@ -107,9 +107,18 @@ class Algorithm:
         """What the server sends the clients.
 
         Shared payload by default. An algorithm with ``per_client_downlink`` returns the payloads
-        of ``clients`` (int ids) stacked on axis 0, for training and for evaluation alike.
+        of ``clients`` (int ids) stacked on axis 0, for training (and, unless
+        :meth:`evaluation_downlink` says otherwise, for evaluation).
         """
         return server["params"]
+
+    def evaluation_downlink(
+        self, server: ServerState, ctx: RoundContext, clients: Tensor | None = None
+    ) -> Params:
+        """The downlink evaluation predicts with (``predict``, ``adapt``, ``join``): the round's
+        :meth:`downlink` by default. An algorithm whose downlink also carries what only local
+        training reads may leave that out, which spares computing it for every evaluated client."""
+        return self.downlink(server, ctx, clients)
 
     def aggregate(self, out: ClientOut, ctx: RoundContext) -> Params:
         """Combine the cohort's uploads (stacked on axis 0); default: mean weighted by ``out.weight``."""

@@ -150,6 +150,16 @@ class PGFed(Algorithm):
             theta = {k: v.expand(len(clients), *v.shape) for k, v in theta.items()}
         return {**theta, **tree.add_prefix("aux.", aux)}
 
+    def evaluation_downlink(
+        self, server: ServerState, ctx: RoundContext, clients: Tensor | None = None
+    ) -> Params:
+        """theta_glob alone: g~_i steers local training only (``predict`` and ``join`` read
+        theta)."""
+        theta = server["params"]
+        if clients is None:
+            return theta
+        return {k: v.expand(len(clients), *v.shape) for k, v in theta.items()}
+
     def aggregate(self, out: ClientOut, ctx: RoundContext) -> Params:
         """The N_i-weighted mean of ``theta_glob - theta_i``: descending it averages the models."""
         deltas = tree.select(out.upload, MODEL)

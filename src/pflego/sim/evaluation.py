@@ -17,6 +17,7 @@ from pflego.rng import adapt_rng, seed_for
 from pflego.sim.clients import ClientPool, Cohort
 from pflego.sim.guards import deferred_interrupts
 from pflego.sim.metrics import Personalization, client_rows, summarize
+from pflego.tree import Params
 from pflego.types import ClientData, RoundContext
 
 
@@ -89,8 +90,9 @@ class Evaluation:
         ctx, ids = self.context(completed), self.owned(self.eval_ids)
 
         def own_rows() -> list[dict]:
-            if len(ids):
-                self.initialize(ids, self.downlink(ctx, ids), ctx)
+            missing = self.store.missing(ids)
+            if len(missing):  # first-visit states from the round's downlink
+                self.initialize(missing, self.downlink(ctx, missing), ctx)
             stale = ids
             if not self.algorithm.adapts:
                 unchanged = self.eval_server is not None and same_values(
@@ -140,11 +142,11 @@ class Evaluation:
                 for split, pool in self.pools.items()
             }
             order = clients
-        if not self.algorithm.per_client_downlink:
-            shared = self.downlink(ctx, clients)
-            downlink_for = lambda ids: shared  # noqa: E731
-        else:
-            downlink_for = lambda ids: self.downlink(ctx, clients[ids])  # noqa: E731
+        shared = None if self.algorithm.per_client_downlink else self.downlink(ctx, clients, True)
+
+        def downlink_for(ids: np.ndarray) -> Params:
+            return shared if shared is not None else self.downlink(ctx, clients[ids], True)
+
         rows = client_rows(  # moves the states to the device chunk by chunk
             self.algorithm,
             downlink_for,
@@ -167,7 +169,7 @@ class Evaluation:
         ctx = self.context(completed)
         offset, count = self.exp.data.num_clients, self.exp.unseen.num_clients
         mine = self.owned(np.arange(offset, offset + count)) - offset
-        payload = self.algorithm.downlink(self.server, ctx)
+        payload = self.algorithm.evaluation_downlink(self.server, ctx)
         host = tree.to(payload, "cpu")
         if self.algorithm.per_client_downlink:  # the same newcomer's payload for every client
             downlink_for = lambda ids: {  # noqa: E731

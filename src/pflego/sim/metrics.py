@@ -8,8 +8,8 @@ of a :class:`~pflego.sim.clients.ClientPool` that already lives on the device. W
 comes from the shared downlink (``Algorithm.features_from_downlink``), it runs once over the
 chunk's real samples as one large batch, and only the heads run per client. On a CPU, chunks of
 large clients (:data:`LOOP_ROWS`) are personalized and evaluated one client at a time on its own
-rows instead (fused steps where they fuse, on the ``fused`` backend). Adapted states are used for that evaluation only and
-never stored.
+rows instead (``adapt``'s steps fused where they fuse, on the ``fused`` backend). Adapted states
+are used for that evaluation only and never stored.
 
 Metric names: ``<split>_<loss|acc>`` for the personalized model (after ``adapt`` when the
 algorithm has one), ``<split>_<loss|acc>_before_adapt`` for the same clients without it, and

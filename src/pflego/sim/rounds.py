@@ -202,11 +202,13 @@ class Simulation(Evaluation):
             return np.sort(rng.choice(num, int(self.context(t).cohort_size), replace=False))
         return np.flatnonzero(rng.random(num) < self.cfg.participation)
 
-    def downlink(self, ctx: RoundContext, clients: np.ndarray) -> Params:
-        """The downlink of ``clients``: shared, or stacked per client when the algorithm says so."""
+    def downlink(self, ctx: RoundContext, clients: np.ndarray, evaluation: bool = False) -> Params:
+        """The downlink of ``clients`` (``evaluation``: the one evaluation predicts with): shared,
+        or stacked per client when the algorithm says so."""
+        payload = self.algorithm.evaluation_downlink if evaluation else self.algorithm.downlink
         if self.algorithm.per_client_downlink:
-            return self.algorithm.downlink(self.server, ctx, torch.as_tensor(clients))
-        return self.algorithm.downlink(self.server, ctx)
+            return payload(self.server, ctx, torch.as_tensor(clients))
+        return payload(self.server, ctx)
 
     def init_state(self, client: int, downlink, ctx: RoundContext) -> ClientState:
         """A client's first-visit state (seeded by the client id, so every backend agrees)."""
