@@ -15,7 +15,7 @@ from pflego import tree
 from pflego.algorithms.pgfed import PGFed
 from pflego.algorithms.pgfed_ce import PGFedCE
 from pflego.errors import ConfigError
-from pflego.sim import Simulation
+from pflego.sim import Simulation, metrics
 from pflego.sim.backends import loop_backend
 
 MU, LAM = 0.3, 0.05
@@ -375,6 +375,30 @@ def test_unseen_clients_fine_tune_the_global_model():
     expected, _ = reference_trajectory(sim, dict(sim.server["params"]), aux, one, ctx.client_lr)
     for k, v in expected.items():
         torch.testing.assert_close(joined[f"local.{k}"], v)
+
+
+@pytest.mark.parametrize("name", ["pgfed", "pgfedmo", "pgfed-ce"])
+def test_evaluation_predicts_with_theta_alone(name):
+    """Evaluation's downlink leaves out every client's g~_i (training reads it, prediction does
+    not): the same rows as with the round's downlink."""
+    sim = simulation(name)
+    for t in range(2):
+        sim.run_round(t)
+    ctx, ids = sim.context(2), np.arange(sim.exp.data.num_clients)
+    lean = sim.downlink(ctx, ids, evaluation=True)
+    full = sim.downlink(ctx, ids)
+    assert set(lean) == set(sim.server["params"]) < set(full)
+    columns = {
+        kind: metrics.evaluate_clients(
+            sim.algorithm,
+            lambda i, d=downlink: {k: v[i] for k, v in d.items()},
+            sim.store.read(ids),
+            sim.pools,
+        )  # fmt: skip
+        for kind, downlink in (("lean", lean), ("full", full))
+    }
+    for key, value in columns["full"].items():
+        np.testing.assert_array_equal(columns["lean"][key], value, err_msg=key)
 
 
 def test_bad_options_are_config_errors():
