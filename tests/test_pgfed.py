@@ -399,6 +399,13 @@ def test_evaluation_predicts_with_theta_alone(name):
     }
     for key, value in columns["full"].items():
         np.testing.assert_array_equal(columns["lean"][key], value, err_msg=key)
+    # unseen clients start (init_client) and join from theta alone too
+    unseen = Simulation(
+        ragged_experiment(name, unseen_fraction=0.34, options={"join_epochs": 1.0}), None
+    )
+    unseen.run_round(0)
+    record = unseen.evaluate(1)
+    assert np.isfinite(record["unseen_test_acc"]) and np.isfinite(record["unseen_train_loss"])
 
 
 def test_bad_options_are_config_errors():

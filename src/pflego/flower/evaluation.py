@@ -47,7 +47,7 @@ class EvaluationRounds(TrainingRounds):
         self.online()
         sample = evaluation_sample(self.cfg, self.population.num_clients).tolist()
         clients = sorted(set(self.nodes) & set(sample))
-        contents = self.contents(clients, ctx)
+        contents = self.contents(clients, ctx, evaluation=True)
         replies, missing = self.exchange(contents, "evaluate", f"evaluate-{completed}")
         for client in sample:
             if client not in replies and client not in missing:

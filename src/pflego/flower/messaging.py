@@ -97,18 +97,23 @@ class NodeMessaging:
             "ctx": context_to_record(ctx),
         }
 
-    def payloads(self, clients: Sequence[int], ctx: RoundContext) -> list[dict[str, torch.Tensor]]:
-        """Each client's downlink: per-client payloads stacked on axis 0, or one shared payload."""
+    def payloads(
+        self, clients: Sequence[int], ctx: RoundContext, evaluation: bool = False
+    ) -> list[dict[str, torch.Tensor]]:
+        """Each client's downlink (``evaluation``: the one evaluation predicts with): per-client
+        payloads stacked on axis 0, or one shared payload."""
+        payload = self.algorithm.evaluation_downlink if evaluation else self.algorithm.downlink
         if self.algorithm.per_client_downlink:
-            stacked = self.algorithm.downlink(self.server, ctx, torch.as_tensor(list(clients)))
-            return list(tree.unstack(stacked))
-        return [self.algorithm.downlink(self.server, ctx)] * len(clients)
+            return list(tree.unstack(payload(self.server, ctx, torch.as_tensor(list(clients)))))
+        return [payload(self.server, ctx)] * len(clients)
 
-    def contents(self, clients: Sequence[int], ctx: RoundContext) -> dict[int, RecordDict]:
+    def contents(
+        self, clients: Sequence[int], ctx: RoundContext, evaluation: bool = False
+    ) -> dict[int, RecordDict]:
         """Each client's message content (a shared downlink is serialized once)."""
         records: dict[int, Any] = {}
         out = {}
-        for client, payload in zip(clients, self.payloads(clients, ctx)):
+        for client, payload in zip(clients, self.payloads(clients, ctx, evaluation), strict=True):
             if id(payload) not in records:
                 records[id(payload)] = params_to_record(payload)
             out[client] = RecordDict(

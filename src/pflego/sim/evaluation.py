@@ -53,7 +53,7 @@ class Evaluation:
             lambda ids: cohort(ids).data,
             self.context(completed),
             clients_of,
-            fused=self.backend_name == "fused",
+            fused=self.backend_name != "loop",  # loop: the autograd reference, also here
         )
 
     def evaluate(self, completed: int) -> dict[str, Any]:

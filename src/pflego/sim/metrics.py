@@ -8,7 +8,7 @@ of a :class:`~pflego.sim.clients.ClientPool` that already lives on the device. W
 comes from the shared downlink (``Algorithm.features_from_downlink``), it runs once over the
 chunk's real samples as one large batch, and only the heads run per client. On a CPU, chunks of
 large clients (:data:`LOOP_ROWS`) are personalized and evaluated one client at a time on its own
-rows instead (``adapt``'s steps fused where they fuse, on the ``fused`` backend). Adapted states
+rows instead (``adapt``'s steps fused where they fuse, except on the ``loop`` backend). Adapted states
 are used for that evaluation only and never stored.
 
 Metric names: ``<split>_<loss|acc>`` for the personalized model (after ``adapt`` when the
@@ -64,8 +64,8 @@ class Personalization:
         ctx: The round context handed to the method.
         clients: The same, each client's on its own rows (no padding), for personalizing them
             one by one (``None``: only ``inputs``).
-        fused: Whether those one-by-one personalizations run fused steps where they fuse (as
-            the run's training does on the ``fused`` backend).
+        fused: Whether those one-by-one personalizations run fused steps where they fuse (the
+            simulator's runs do, except on the ``loop`` backend, the autograd reference).
     """
 
     method: str
@@ -352,6 +352,9 @@ def evaluate_clients(
     # each downlink-only view's logits
     bodies: dict[tuple[str, str], SharedFeatures] = {}
     once = set() if algorithm.per_client_downlink else set(algorithm.downlink_predictions)
+    # whether a row's logits depend on that row alone (no batch norm by the batch's statistics),
+    # so that a model shared by every client may run over slices of the whole pool
+    rowwise = model.layers is not None and all(layer.kind != "batchnorm" for layer in model.layers)
 
     def shared(split: str, view: str, downlink: Params) -> SharedFeatures:
         if (split, view) not in bodies:
@@ -400,7 +403,7 @@ def evaluate_clients(
                 whole = view not in head_views or any(k.startswith("body.") for k in keys)
                 # the personalized model with an empty state, or a head fixed by the downlink
                 downlink_model = view in ("", "before_adapt") and (
-                    (not keys and not algorithm.per_client_downlink)
+                    (not keys and rowwise and not algorithm.per_client_downlink)
                     or (shared_head and not whole and not any(k.startswith("head.") for k in keys))
                 )
                 if view in once or downlink_model:
