@@ -8,8 +8,8 @@ of a :class:`~pflego.sim.clients.ClientPool` that already lives on the device. W
 comes from the shared downlink (``Algorithm.features_from_downlink``), it runs once over the
 chunk's real samples as one large batch, and only the heads run per client. On a CPU, chunks of
 large clients (:data:`LOOP_ROWS`) are personalized and evaluated one client at a time on its own
-rows instead (``adapt``'s steps fused where they fuse, except on the ``loop`` backend). Adapted states
-are used for that evaluation only and never stored.
+rows instead (``adapt``'s steps fused where they fuse, except on the ``loop`` backend).
+Adapted states are used for that evaluation only and never stored.
 
 Metric names: ``<split>_<loss|acc>`` for the personalized model (after ``adapt`` when the
 algorithm has one), ``<split>_<loss|acc>_before_adapt`` for the same clients without it, and
@@ -63,7 +63,7 @@ class Personalization:
         inputs: The padded training data and ``adapt_schedule`` batches of given client ids.
         ctx: The round context handed to the method.
         clients: The same, each client's on its own rows (no padding), for personalizing them
-            one by one (``None``: only ``inputs``).
+            one by one.
         fused: Whether those one-by-one personalizations run fused steps where they fuse (the
             simulator's runs do, except on the ``loop`` backend, the autograd reference).
     """
@@ -71,7 +71,7 @@ class Personalization:
     method: str
     inputs: AdaptInputs
     ctx: RoundContext
-    clients: AdaptClients | None = None
+    clients: AdaptClients
     fused: bool = False
 
 
@@ -372,8 +372,7 @@ def evaluate_clients(
         index = torch.as_tensor(ids, device=device)
         downlink = downlink_for(ids)
         looped = device.type == "cpu" and sizes[group].mean() >= LOOP_ROWS
-        if looped and (personalize is None or personalization.clients is not None):
-            # each client's state read in place, personalized on its own rows
+        if looped:  # each client's state read in place, personalized on its own rows
             raw = client_states(states, group, device)
             adapted = raw
             if personalize is not None:
@@ -386,12 +385,6 @@ def evaluate_clients(
             if personalize is not None:
                 with torch.enable_grad():
                     adapted = tree.detach(personalize(downlink, raw, personalization.inputs(ids)))
-            if looped:
-                every = np.arange(len(group))
-                raw, adapted = (
-                    client_states(raw, every, device),
-                    client_states(adapted, every, device),
-                )
         for split, pool in pools.items():
             features = None
             rows, valid = pool.rows(ids)
