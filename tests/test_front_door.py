@@ -1,14 +1,18 @@
-"""The front door: ``pflego --help`` and ``--version`` answer without importing torch, and the
-top-level help lists each command with the help its own module gives it."""
+"""The front door: ``pflego --help`` and ``--version`` answer without importing torch, the
+top-level help lists each command with the help its own module gives it, and a run's
+``environment.json`` names the backend that produced its numbers."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import TINY
 
 import pflego
 from pflego.cli import COMMANDS, build_parser
@@ -46,3 +50,18 @@ def test_lazy_help_lists_what_the_commands_say():
 def test_a_chosen_command_gets_its_flags():
     args = build_parser(lazy=True).parse_args(["run", "--rounds", "3", "--threads", "1"])
     assert args.rounds == "3" and args.threads == 1 and args.handler.__name__ == "cmd_run"
+
+
+@pytest.mark.parametrize("backend", ["auto", "loop"])
+def test_environment_records_the_backend_that_ran_the_rounds(tmp_path, backend):
+    """``environment.json`` names the backend of the checkpoint (``auto``: the one it chose), and
+    a resumption's entry its own."""
+    out = tmp_path / "run"
+    pflego.run({**TINY, "backend": backend}, out=out, progress=False)
+    chosen = torch.load(out / "checkpoint.pt", weights_only=False)["backend"]
+    environment = json.loads((out / "environment.json").read_text())
+    assert environment["client_backend"] == chosen != "auto"
+    assert backend == "auto" or chosen == backend
+    pflego.resume(out, rounds=TINY["rounds"] + 2, progress=False)
+    environment = json.loads((out / "environment.json").read_text())
+    assert environment["client_backend"] == environment["resumed"][-1]["client_backend"] == chosen

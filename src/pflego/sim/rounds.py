@@ -394,6 +394,8 @@ class Simulation(Evaluation):
                 if self.writer:
                     with self.profile.part("checkpoint"):
                         self.writer.wait()
+                if self.run_dir and self.run_dir.environment.is_file():
+                    self.run_dir.record_backend(self.backend_name)
             history = History(self.records, self.run_dir.path if self.run_dir else None)
             if self.run_dir and self.plots:
                 from pflego.plots import plot_histories
