@@ -73,6 +73,8 @@ class Commands(argparse._SubParsersAction):
 
     def build(self, name: str) -> None:
         """Replace the stand-ins of ``name``'s module by the real parsers (with ``--threads``)."""
+        from pflego.cli.flags import add_threads_flag
+
         if name not in self.pending:
             return
         adder = COMMANDS[name][1]
@@ -85,8 +87,6 @@ class Commands(argparse._SubParsersAction):
         for other in names:
             for leaf in leaf_parsers(self._name_parser_map[other]):
                 if "--threads" not in leaf._option_string_actions:
-                    from pflego.cli.flags import add_threads_flag
-
                     add_threads_flag(leaf)
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
