@@ -21,12 +21,6 @@ ALLOWED = {
     "pflego/experiments/report_tables.py:measures_table": 28,
     "pflego/experiments/report.py:plan_from_directories": 26,
     "pflego/experiments/report_csv.py:render_csv": 21,
-    # issue 36: settings validated once, declared on the fields
-    "pflego/experiments/presets.py:parse_preset": 41,
-    "pflego/config.py:validate": 30,
-    "pflego/experiments/runs.py:build_plan": 29,
-    "pflego/config.py:_coerce": 26,
-    "pflego/experiments/presets.py:_rows": 21,
 }
 
 
