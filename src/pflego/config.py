@@ -83,7 +83,7 @@ class Config:
     )
     alpha: float = setting(0.5, "Dirichlet concentration of the dirichlet-like partitions")
     min_client_size: int = setting(
-        2, "the fewest training samples a client may hold (small clients are refilled)"
+        2, "the fewest samples a client may hold (moved to it from the largest clients)"
     )
     test_fraction: float = setting(0.25, "the share of each client's samples held out for testing")
     pool_test: bool = setting(
@@ -107,7 +107,7 @@ class Config:
     )
     join_epochs: float | None = setting(
         None,
-        "epochs an unseen client personalizes for (unset: the method's own)",
+        "epochs an unseen client personalizes for (unset: the run's local schedule)",
         positive_or_unset,
     )
     participation: float = setting(
