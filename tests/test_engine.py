@@ -13,10 +13,10 @@ from conftest import tiny_experiment
 
 from pflego import tree
 from pflego.errors import DivergedError
-from pflego.sim.callbacks import Callback, Evaluate, train
-from pflego.sim.engine import Sampling, run_round
+from pflego.sim.engine import Callback, Evaluate, Sampling, run_round, train
 from pflego.sim.guards import Updates
 from pflego.sim.rounds import Simulation
+from pflego.types import Downlink
 
 
 class FakeTransport:
@@ -164,3 +164,26 @@ def test_the_simulator_evaluates_through_its_callbacks():
     sim.evaluate = lambda completed: seen.append(completed) or evaluate(completed)
     history = sim.run(progress=False)
     assert seen == [0, 2, 3] and [r["round"] for r in history.records] == [0, 2, 3]
+
+
+def test_a_downlink_gives_each_client_its_part():
+    shared = Downlink({"w": torch.ones(2)})
+    assert shared.of(0) is shared.payload and shared.of(5) is shared.payload
+    stacked = Downlink({"w": torch.arange(6.0).reshape(3, 2)}, per_client=True)
+    assert torch.equal(stacked.of(1)["w"], torch.tensor([2.0, 3.0]))
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "pgfed"])
+def test_send_is_shared_or_per_client_as_the_algorithm_declares(algorithm):
+    sim = Simulation(tiny_experiment(algorithm=algorithm), None)
+    sim.run_round(0)
+    ctx, clients = sim.context(1), torch.as_tensor(sim.cohort(1))
+    sent = sim.algorithm.send(sim.server, ctx, clients)
+    assert sent.per_client == (algorithm == "pgfed")
+    if sent.per_client:
+        stacked = sim.algorithm.downlink(sim.server, ctx, clients)
+        for position in range(len(clients)):
+            for k, v in stacked.items():
+                assert torch.equal(sent.of(position)[k], v[position])
+    else:
+        assert sent.of(0) is sim.server["params"]

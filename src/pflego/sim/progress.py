@@ -8,7 +8,7 @@ from typing import Any, TextIO
 
 from tqdm.auto import tqdm
 
-from pflego.sim.callbacks import Callback
+from pflego.sim.engine import Callback
 
 
 def is_live(stream: TextIO) -> bool:

@@ -18,9 +18,17 @@ from pflego.rng import first_visit_generator, minibatch_rng, seed_for
 from pflego.sim.backends import FUSED_MIN_SAMPLES, Backend, fuses, make_backend, resolve_backend
 from pflego.sim.backends_auto import AutoBackend, auto_backend, probing_enabled
 from pflego.sim.build import Experiment
-from pflego.sim.callbacks import Callback, Checkpoints, DivergenceCheck, Evaluate, train
 from pflego.sim.clients import ClientPool, ClientStore, Cohort, validation_split
-from pflego.sim.engine import Sampling, run_round
+from pflego.sim.engine import (
+    Callback,
+    Checkpoints,
+    DivergenceCheck,
+    Evaluate,
+    Sampling,
+    history_of,
+    run_round,
+    train,
+)
 from pflego.sim.evaluation import Evaluation, evaluation_sample
 from pflego.sim.guards import Updates, finite_states, rows
 from pflego.sim.memory import retained_heap
@@ -152,12 +160,9 @@ class Simulation(Evaluation):
         return self.sampling.cohort(t)
 
     def downlink(self, ctx: RoundContext, clients: np.ndarray, evaluation: bool = False) -> Params:
-        """The downlink of ``clients`` (``evaluation``: the one evaluation predicts with): shared,
-        or stacked per client when the algorithm says so."""
-        payload = self.algorithm.evaluation_downlink if evaluation else self.algorithm.downlink
-        if self.algorithm.per_client_downlink:
-            return payload(self.server, ctx, torch.as_tensor(clients))
-        return payload(self.server, ctx)
+        """The payload of ``clients``' :class:`~pflego.types.Downlink` (``evaluation``: the one
+        evaluation predicts with): shared, or stacked per client."""
+        return self.algorithm.send(self.server, ctx, torch.as_tensor(clients), evaluation).payload
 
     def init_state(self, client: int, downlink, ctx: RoundContext) -> ClientState:
         """A client's first-visit state (seeded by the client id, so every backend agrees)."""
@@ -171,10 +176,9 @@ class Simulation(Evaluation):
         return self.init_state(client, self.one_downlink(downlink, client), ctx)
 
     def one_downlink(self, downlink: Params, client: int, position: int | None = None) -> Params:
-        """Client ``client``'s own payload out of a downlink (the downlink itself when shared)."""
-        if not self.algorithm.per_client_downlink:
-            return downlink
-        return {k: v[client if position is None else position] for k, v in downlink.items()}
+        """Client ``client``'s own payload out of a downlink's payload (at ``position``, or at
+        its id when the payload holds every client's)."""
+        return self.algorithm.received(downlink).of(client if position is None else position)
 
     def initialize(self, clients: np.ndarray, downlink, ctx: RoundContext) -> None:
         """Write the first-visit states of those ``clients`` that have none into the store.
@@ -323,16 +327,8 @@ class Simulation(Evaluation):
                 if self.writer:
                     with self.profile.part("checkpoint"):
                         self.writer.wait()
-            history = History(self.records, self.run_dir.path if self.run_dir else None)
-            if self.run_dir and self.plots:
-                from pflego.plots import plot_histories
-
-                plot_histories(
-                    {cfg.algorithm: history},
-                    self.run_dir.path / "curves.png",
-                    f"{cfg.algorithm} on {cfg.dataset}",
-                )
-        return history
+            title = f"{cfg.algorithm} on {cfg.dataset}"
+            return history_of(self.run_dir, self.records, cfg.algorithm, title, self.plots)
 
     def on_interrupt(self) -> None:
         """Ctrl-C: write a checkpoint of the rounds completed and wait until it is on disk."""
