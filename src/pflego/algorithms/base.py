@@ -25,7 +25,15 @@ from pflego.loss import ModelLoss, masked_cross_entropy
 from pflego.models import SplitModel, head_logits, init_head
 from pflego.optim import SGD, Optimizer, Proximal
 from pflego.tree import Params
-from pflego.types import ClientData, ClientOut, ClientState, RoundContext, Schedule, ServerState
+from pflego.types import (
+    ClientData,
+    ClientOut,
+    ClientState,
+    Downlink,
+    RoundContext,
+    Schedule,
+    ServerState,
+)
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,20 @@ class Algorithm:
         :meth:`downlink` by default. An algorithm whose downlink also carries what only local
         training reads may leave that out, which spares computing it for every evaluated client."""
         return self.downlink(server, ctx, clients)
+
+    def send(
+        self, server: ServerState, ctx: RoundContext, clients: Tensor, evaluation: bool = False
+    ) -> Downlink:
+        """The :class:`Downlink` of ``clients`` (int ids; ``evaluation``: the one evaluation
+        predicts with), shared or per client as the algorithm declares
+        (``per_client_downlink``); the round loops read one client's part with ``of``."""
+        payload = self.evaluation_downlink if evaluation else self.downlink
+        ids = (clients,) if self.per_client_downlink else ()
+        return self.received(payload(server, ctx, *ids))
+
+    def received(self, payload: Params) -> Downlink:
+        """A payload of :meth:`downlink` as the :class:`Downlink` it is."""
+        return Downlink(payload, self.per_client_downlink)
 
     def aggregate(self, out: ClientOut, ctx: RoundContext) -> Params:
         """Combine the cohort's uploads (stacked on axis 0); default: mean weighted by ``out.weight``."""
