@@ -1,6 +1,6 @@
 """Fused SGD steps: local training on a declared loss without autograd.
 
-For a :class:`~pflego.local.ModelLoss` whose model is a sequence of ``Linear``, ``Conv2d``,
+For a :class:`~pflego.loss.Objective` whose terms all have fused forms and whose model is a sequence of ``Linear``, ``Conv2d``,
 ``ReLU``, ``MaxPool2d`` and ``Flatten`` layers with a linear head, and for plain SGD (optionally
 with weight decay), every local step is one forward pass that keeps the activations it needs and
 one backward pass that applies each layer's update as soon as the gradient below it is taken:
@@ -25,7 +25,6 @@ transform) returns ``None`` from :func:`fused_sgd_steps`, and the caller uses au
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -34,7 +33,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from pflego.fused_passes import backward_pass, compiled, forward_pass
-from pflego.loss import ModelLoss
+from pflego.loss import FusedForm, Objective
 from pflego.models import Layer, channels_last
 from pflego.optim import ANCHOR, SGD, STEPS, Optimizer, OptState, Proximal
 from pflego.tree import Params
@@ -43,7 +42,7 @@ from pflego.types import ClientData
 HEAD = (Layer("linear", "head"),)
 
 
-def layer_plan(loss: ModelLoss) -> tuple[Layer, ...] | None:
+def layer_plan(loss: Objective) -> tuple[Layer, ...] | None:
     """The model's plain layers in forward order with its head (unless the loss has no
     cross-entropy), or ``None`` if it has others."""
     head = HEAD if loss.cross_entropy else ()
@@ -69,7 +68,8 @@ def fused_sgd_steps(
     sum_iterates: bool = False,
     opt_state: OptState | None = None,
 ) -> tuple[Params, OptState, Tensor, Params | None] | None:
-    """``train_steps`` for plain SGD on a :class:`ModelLoss`, or ``None`` when it does not apply.
+    """``train_steps`` for plain SGD on an :class:`~pflego.loss.Objective`, or ``None`` when it
+    does not apply.
 
     SGD inside a :class:`~pflego.optim.Proximal` optimizer is SGD on the loss with that proximal
     (and linear) term, whose value is left out of the logged loss; its anchor (from
@@ -81,17 +81,18 @@ def fused_sgd_steps(
         (else ``None``).
     """
     opt_state = {} if opt_state is None else opt_state
-    if not isinstance(loss, ModelLoss) or (loss.centroids is not None and loss.model is None):
+    form = loss.fused_form() if isinstance(loss, Objective) else None
+    if form is None or (form.centroids is not None and loss.model is None):
         return None  # (aligning a bare head's input features: autograd)
-    prox = _moreau(loss, optimizer)
+    prox = _moreau(form, optimizer)
     if prox is not None:  # the optimizer's terms: as the loss's, but left out of its value
         anchor = prox.current_anchor(opt_state)
-        loss = dataclasses.replace(loss, anchor=anchor, strength=prox.lam, linear=prox.linear)
+        form = form._replace(anchor=anchor, strength=prox.lam, linear=prox.linear)
         optimizer = prox.inner
     if type(optimizer) is not SGD:
         return None
-    plan = plain_plan(loss, params, data)
-    regularizers = [t for t in (loss.anchor, loss.linear) if t is not None]
+    plan = plain_plan(loss, form, params, data)
+    regularizers = [t for t in (form.anchor, form.linear) if t is not None]
     if (
         plan is None
         or any(not set(params) <= set(t) for t in regularizers)
@@ -100,7 +101,7 @@ def fused_sgd_steps(
         return None
     moving = prox is not None and prox.every > 0
     trained, mean_loss, iterates, moved = _run(
-        plan, loss, params, data, optimizer.weight_decay, float(lr), steps, sum_iterates,
+        plan, loss, form, params, data, optimizer.weight_decay, float(lr), steps, sum_iterates,
         log_proximal=prox is None, every=prox.every if moving else 0,
         follow=float(prox.follow) if moving else 0.0, done=int(opt_state[STEPS]) if moving else 0,
     )  # fmt: skip
@@ -110,8 +111,11 @@ def fused_sgd_steps(
     return trained, opt_state, mean_loss, iterates
 
 
-def plain_plan(loss: ModelLoss, params: Params, data: ClientData) -> tuple[Layer, ...] | None:
-    """The layers fused steps run ``loss`` (its regularizers aside) on, when every parameter is
+def plain_plan(
+    loss: Objective, form: FusedForm, params: Params, data: ClientData
+) -> tuple[Layer, ...] | None:
+    """The layers fused steps run ``loss`` (with its terms' fused ``form``, its regularizers
+    aside) on, when every parameter is
     a plain layer's, untracked by autograd and outside ``torch.func`` transforms, and ``data``'s
     inputs reach each layer in its shape; else ``None``."""
     plan = layer_plan(loss)
@@ -130,8 +134,8 @@ def plain_plan(loss: ModelLoss, params: Params, data: ClientData) -> tuple[Layer
         or not weights <= names
         or not params
         or not all_plain([*full.values(), data.x, data.batches, data.batch_mask])
-        or not all_plain([] if loss.sample_weights is None else [loss.sample_weights])
-        or not all_plain([] if loss.centroids is None else [loss.centroids, loss.centroid_weights])
+        or not all_plain([] if form.sample_weights is None else [form.sample_weights])
+        or not all_plain([] if form.centroids is None else [form.centroids, form.centroid_weights])
         or not _fits(plan, data.x.shape[1:])
         or ("head.weight" not in full and loss.cross_entropy)
     ):
@@ -139,14 +143,14 @@ def plain_plan(loss: ModelLoss, params: Params, data: ClientData) -> tuple[Layer
     return plan
 
 
-def _moreau(loss: ModelLoss, optimizer: Optimizer) -> Proximal | None:
+def _moreau(form: FusedForm, optimizer: Optimizer) -> Proximal | None:
     """A :class:`Proximal` optimizer around plain SGD on a loss without a proximal or linear
     term."""
     if (
         type(optimizer) is Proximal
         and type(optimizer.inner) is SGD
-        and loss.anchor is None
-        and loss.linear is None
+        and form.anchor is None
+        and form.linear is None
     ):
         return optimizer
     return None
@@ -175,7 +179,8 @@ def _fits(plan: tuple[Layer, ...], sample_shape: torch.Size) -> bool:
 
 def _run(
     plan: tuple[Layer, ...],
-    loss: ModelLoss,
+    loss: Objective,
+    form: FusedForm,
     params: Params,
     data: ClientData,
     weight_decay: float,
@@ -193,7 +198,7 @@ def _run(
     batches, batch_mask = data.batches[steps], data.batch_mask[steps]
     real = torch.nonzero(batch_mask.sum(1) > 0).flatten()  # empty steps change nothing
     total, count = torch.zeros(()), torch.zeros(())
-    unmoved = ({k: v.clone() for k, v in loss.anchor.items()}, 0) if every > 0 else None
+    unmoved = ({k: v.clone() for k, v in form.anchor.items()}, 0) if every > 0 else None
     if len(real) == 0:
         iterates = {k: torch.zeros_like(v) for k, v in params.items()} if sum_iterates else None
         return (
@@ -203,7 +208,7 @@ def _run(
             unmoved,
         )
     batches, batch_mask = batches[real], batch_mask[real]
-    feed = step_inputs(plan, loss, data, batches, batch_mask)
+    feed = step_inputs(plan, loss, form, data, batches, batch_mask)
     inputs, target, weights = feed.inputs, feed.target, feed.weights
     label_mask = loss.label_mask > 0
     empty = data.x.new_empty(0)
@@ -220,9 +225,9 @@ def _run(
             return empty
         return torch.cat([_kernel_layout(plan, k, table[k]).reshape(-1) for k in order])
 
-    strength = float(loss.strength) if loss.anchor is not None else 0.0
-    anchor = flattened(loss.anchor if strength != 0.0 else None)
-    linear = flattened(loss.linear)
+    strength = float(form.strength) if form.anchor is not None else 0.0
+    anchor = flattened(form.anchor if strength != 0.0 else None)
+    linear = flattened(form.linear)
     pull = empty  # each step adds lr (strength anchor + linear) to the parameters
     if anchor.numel():
         pull = anchor * (lr * strength)
@@ -234,7 +239,7 @@ def _run(
     moves = [(done + j + 1) % every == 0 for j in range(len(real))] if every > 0 else []
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
         log_probs, distances, dots, alignments = compiled(_steps)(
-            loss.cross_entropy,
+            form.cross_entropy,
             [layer.kind for layer in plan],
             [layer_settings(layer) for layer in plan],
             [full.get(layer.weight, empty) for layer in plan],
@@ -263,7 +268,7 @@ def _run(
             min(i for i, layer in enumerate(plan) if set(layer_keys(layer, params))),
         )
     values = torch.zeros(len(real), dtype=target.dtype)
-    if loss.cross_entropy:
+    if form.cross_entropy:
         values = -(torch.stack(log_probs) * target).sum((1, 2))  # each step's cross-entropy
     if distances:
         values = values + strength / 2 * torch.stack(distances)
@@ -288,7 +293,12 @@ class StepInputs(NamedTuple):
 
 
 def step_inputs(
-    plan: tuple[Layer, ...], loss: ModelLoss, data: ClientData, batches: Tensor, batch_mask: Tensor
+    plan: tuple[Layer, ...],
+    loss: Objective,
+    form: FusedForm,
+    data: ClientData,
+    batches: Tensor,
+    batch_mask: Tensor,
 ) -> StepInputs:
     """The inputs of the steps ``batches`` / ``batch_mask`` (``[S, B]``, every step real),
     gathered once: each step's input, ``onehot(y)^T * mask / n`` ``[S, K, B]`` and ``mask / n``
@@ -297,8 +307,8 @@ def step_inputs(
     empty; with ``class_means``, ``n`` is the number of the row's class in its minibatch)."""
     plain_weights = batch_mask / batch_mask.sum(1, keepdim=True).clamp(min=1)  # [S, B]: mask / n_s
     weights = plain_weights
-    if loss.sample_weights is not None:  # [S, B]: w_idx * mask / n_s
-        weights = weights * loss.sample_weights[batches]
+    if form.sample_weights is not None:  # [S, B]: w_idx * mask / n_s
+        weights = weights * form.sample_weights[batches]
     convolutional = any(layer.kind == "conv" for layer in plan) and data.x.dim() == 4
     if batches.shape[-1] == data.x.shape[0]:  # full batch: every step is the whole local set
         inputs = [channels_last(data.x) if convolutional else data.x] * len(batches)
@@ -312,13 +322,13 @@ def step_inputs(
     target = F.one_hot(labels, classes).to(weights.dtype).transpose(1, 2)
     target = target * weights.unsqueeze(1)  # [S, K, B]: onehot(y) * mask / n_s
     centroid_targets = centroid_rows = weights.new_empty((len(batches), 0))
-    if loss.centroids is not None:
-        centroid_targets = loss.centroids[labels]  # [S, B, M]
-        if loss.class_means:  # [S, B]: mask / (rows of the row's class in its minibatch)
-            classes = torch.arange(len(loss.centroids), device=labels.device)
+    if form.centroids is not None:
+        centroid_targets = form.centroids[labels]  # [S, B, M]
+        if form.class_means:  # [S, B]: mask / (rows of the row's class in its minibatch)
+            classes = torch.arange(len(form.centroids), device=labels.device)
             rows = ((labels[..., None] == classes) * batch_mask[..., None]).sum(1).clamp(min=1)
             plain_weights = batch_mask / rows.gather(1, labels)
-        centroid_rows = (2 * loss.centroid_weights[labels] * plain_weights).unsqueeze(2)
+        centroid_rows = (2 * form.centroid_weights[labels] * plain_weights).unsqueeze(2)
     return StepInputs(inputs, target, weights, centroid_targets, centroid_rows)
 
 

@@ -12,7 +12,7 @@ A substep first applies its ``mixes`` (``point[dst] <- point[start] + weight (po
 point[start])``, one pass over the parameters: mixtures of points, and copies with weight 0),
 then takes the loss's gradient ``g`` at point ``at`` on minibatch ``row`` of
 the client's schedule and updates point ``into`` by ``into <- shrink into - lr g``. The loss must
-be a :class:`~pflego.loss.ModelLoss` without regularizers; anything else returns ``None``, and the
+be an :class:`~pflego.loss.Objective` of the cross-entropy alone; anything else returns ``None``, and the
 caller runs autograd.
 """
 
@@ -35,7 +35,7 @@ from pflego.fused import (
     unflatten,
 )
 from pflego.fused_passes import backward_pass, compiled, forward_pass
-from pflego.loss import ModelLoss
+from pflego.loss import CrossEntropy, FusedForm, Objective
 from pflego.tree import Params
 from pflego.types import ClientData
 
@@ -89,13 +89,10 @@ def fused_program(
     Returns:
         A :class:`Program`.
     """
-    if (
-        not isinstance(loss, ModelLoss)
-        or not loss.cross_entropy
-        or any(term is not None for term in (loss.anchor, loss.linear, loss.centroids))
-    ):
+    if not isinstance(loss, Objective) or loss.terms != (CrossEntropy(),):
         return None
-    plan = plain_plan(loss, dict(points[0]), data)
+    form = FusedForm(cross_entropy=True)
+    plan = plain_plan(loss, form, dict(points[0]), data)
     if plan is None or any(set(p) != set(points[0]) for p in points):
         return None
     if not all_plain([v for p in points for v in p.values()]) or not substeps:
@@ -103,7 +100,7 @@ def fused_program(
     rows = sorted({s.row for s in substeps})
     position = {row: j for j, row in enumerate(rows)}
     index = torch.tensor(rows, dtype=torch.long)
-    feed = step_inputs(plan, loss, data, data.batches[index], data.batch_mask[index])
+    feed = step_inputs(plan, loss, form, data, data.batches[index], data.batch_mask[index])
     order = [k for layer in plan for k in layer_keys(layer, points[0])]
     flats, views = zip(*(flat_views(plan, order, p) for p in points), strict=True)
     held = {k: v for k, v in loss.fixed.items()}

@@ -62,7 +62,7 @@ from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
 from pflego.fused_bilevel import Substep, fused_program, real_rows
 from pflego.local import fused_or_none, train_steps
-from pflego.loss import ModelLoss
+from pflego.loss import Objective
 from pflego.optim import SGD, Optimizer, OptState
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext
@@ -253,7 +253,7 @@ class APFL(Algorithm):
             a = float(alpha) if k == 0 else later
             mix = ((2, 0, 1, a),)  # v-bar <- w + a (v - w)
             substeps += [Substep(0, 0, lr, shrink, row, mix), Substep(2, 1, lr * a, shrink, row)]
-        loss = ModelLoss(self.model, data.label_mask)
+        loss = Objective(self.model, data.label_mask)
         fused = fused_program(loss, [w, v, v], data, substeps)
         if fused is None:
             return None

@@ -63,7 +63,7 @@ from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
 from pflego.fused_bilevel import Substep, fused_program, real_rows
 from pflego.local import fused_or_none, train_steps
-from pflego.loss import ModelLoss, masked_cross_entropy
+from pflego.loss import Alignment, Objective, masked_cross_entropy
 from pflego.optim import SGD
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext, Schedule
@@ -127,18 +127,12 @@ class FedAS(Algorithm):
         onehot = self.one_hot(data.y, features.dtype) * data.mask[:, None]
         return (onehot.T @ features) / onehot.sum(0).clamp(min=1)[:, None]
 
-    def alignment_loss(self, prototypes: Tensor, label_mask: Tensor) -> ModelLoss:
+    def alignment_loss(self, prototypes: Tensor, label_mask: Tensor) -> Objective:
         """sum over the batch's classes of MSE(phi(x_{y=c}), P_c) (the mean over the class's
         rows and the M features), declared so that its SGD steps may run fused."""
         weights = prototypes.new_full((len(prototypes),), 1 / prototypes.shape[-1])
-        return ModelLoss(
-            self.model,
-            label_mask,
-            centroids=prototypes,
-            centroid_weights=weights,
-            class_means=True,
-            cross_entropy=False,
-        )
+        terms = (Alignment(prototypes, weights, class_means=True),)
+        return Objective(self.model, label_mask, terms=terms)
 
     def fisher_trace(self, params: Params, data: ClientData) -> Tensor:
         """sum over the batches of ||grad mean-NLL(batch)||^2, all parameters (inside
@@ -164,7 +158,7 @@ class FedAS(Algorithm):
         every_logit = head.new_ones(head.shape[0])  # the NLL of the whole head
         substeps = [Substep(0, 1, -1.0, 0.0, row, record=True) for row in rows]
         points = [params, tree.zeros_like(params)]
-        fused = fused_program(ModelLoss(self.model, every_logit), points, data, substeps)
+        fused = fused_program(Objective(self.model, every_logit), points, data, substeps)
         return None if fused is None else torch.stack(fused.norms).sum()
 
     def local_round(self, downlink, state, data: ClientData, ctx: RoundContext):

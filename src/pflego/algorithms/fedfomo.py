@@ -62,7 +62,7 @@ from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
 from pflego.local import train_steps
-from pflego.loss import ModelLoss
+from pflego.loss import Objective
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext
 
@@ -186,7 +186,7 @@ class FedFomo(Algorithm):
         """Local training of the whole model on the training split."""
         opt = self.client_optimizer
         trained, _, mean_loss = train_steps(
-            ModelLoss(self.model, data.label_mask),
+            Objective(self.model, data.label_mask),
             params,
             data,
             opt,

@@ -60,7 +60,7 @@ from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
 from pflego.fused_bilevel import Substep, fused_program, real_rows
 from pflego.local import fused_or_none
-from pflego.loss import ModelLoss
+from pflego.loss import Objective
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext, Schedule
 
@@ -181,7 +181,7 @@ class PerFedAvg(Algorithm):
                     Substep(1, 0, beta, 1.0, second),
                 ]
         points = [downlink] if self.variant == "code" else [downlink, downlink]
-        fused = fused_program(ModelLoss(self.model, meta.label_mask), points, meta, substeps)
+        fused = fused_program(Objective(self.model, meta.label_mask), points, meta, substeps)
         if fused is None:
             return None
         trained, values = fused.points, fused.values
@@ -216,7 +216,7 @@ class PerFedAvg(Algorithm):
         substeps = [Substep(0, 0, lr, 1.0, k) for k, lr in enumerate(step_sizes) if k in rows]
         if not substeps:
             return {k: v.clone() for k, v in downlink.items()}
-        fused = fused_program(ModelLoss(self.model, data.label_mask), [downlink], data, substeps)
+        fused = fused_program(Objective(self.model, data.label_mask), [downlink], data, substeps)
         return None if fused is None else fused.points[0]
 
 

@@ -70,7 +70,7 @@ from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
 from pflego.fused_bilevel import Substep, fused_program
 from pflego.local import fused_or_none, train_steps, train_steps_summing_iterates
-from pflego.loss import ModelLoss, masked_cross_entropy
+from pflego.loss import Objective, masked_cross_entropy
 from pflego.optim import OptState, Proximal
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, Schedule, ServerState
@@ -259,9 +259,7 @@ class PGFed(Algorithm):
     def risk(self, data: ClientData):
         """``f_i(theta; batch)``: a declared loss, whose SGD steps may run fused, unless ``loss``
         is overridden."""
-        if type(self).loss is Algorithm.loss:
-            return ModelLoss(self.model, data.label_mask)
-        return lambda p, x, y, m: self.loss(p, x, y, m, data.label_mask)
+        return self.model_objective(data.label_mask)
 
     def descend(
         self,
@@ -321,7 +319,7 @@ class PGFed(Algorithm):
         whole = data._replace(batches=every[None], batch_mask=data.mask[None])
         points = [params, tree.zeros_like(params)]
         substep = Substep(0, 1, -1.0, 0.0, 0)
-        fused = fused_program(ModelLoss(self.model, data.label_mask), points, whole, [substep])
+        fused = fused_program(Objective(self.model, data.label_mask), points, whole, [substep])
         return None if fused is None else (fused.points[1], fused.values[0])
 
     def predict(self, downlink: Params, state: ClientState, x: Tensor) -> Tensor:
