@@ -10,7 +10,7 @@ computes (a model's terms, each with its fused form), so that outside vmap, insi
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
@@ -20,8 +20,11 @@ from torch import Tensor
 from torch.func import grad_and_value
 
 from pflego import tree
+from pflego.fused import fused_sgd_steps
+from pflego.fused_bilevel import fused_program
 from pflego.loss import Objective
 from pflego.optim import Optimizer, OptState
+from pflego.program import Outcome, Step, autograd_program
 from pflego.tree import Params
 from pflego.types import ClientData
 
@@ -69,6 +72,21 @@ def fused_or_none(run: Callable[[], T | None]) -> T | None:
     else:
         counts.fused += 1
     return result
+
+
+def unfused() -> None:
+    """Inside :func:`fused_steps`, count a computation that has no fused form as autograd."""
+    fused_or_none(lambda: None)
+
+
+def run_program(
+    loss_fn: LossFn, points: Sequence[Params], data: ClientData, steps: Sequence[Step]
+) -> Outcome:
+    """A step program (:mod:`pflego.program`) on ``points``: inside :func:`fused_steps`, by the
+    fused kernel where it applies (:func:`~pflego.fused_bilevel.fused_program`), else by
+    autograd (:func:`~pflego.program.autograd_program`, the reference)."""
+    fused = fused_or_none(lambda: fused_program(loss_fn, points, data, steps))
+    return fused if fused is not None else autograd_program(loss_fn, points, data, steps)
 
 
 def train_steps(
@@ -128,8 +146,6 @@ def _train(
     steps: slice,
     sum_iterates: bool,
 ) -> tuple[Params, OptState, Tensor, Params | None]:
-    from pflego.fused import fused_sgd_steps
-
     fused = fused_or_none(
         lambda: fused_sgd_steps(
             loss_fn, params, data, optimizer, lr, steps, sum_iterates, opt_state
