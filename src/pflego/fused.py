@@ -81,34 +81,52 @@ def fused_sgd_steps(
         (else ``None``).
     """
     opt_state = {} if opt_state is None else opt_state
-    form = loss.fused_form() if isinstance(loss, Objective) else None
-    if form is None or (form.centroids is not None and loss.model is None):
-        return None  # (aligning a bare head's input features: autograd)
-    prox = _moreau(form, optimizer)
-    if prox is not None:  # the optimizer's terms: as the loss's, but left out of its value
-        anchor = prox.current_anchor(opt_state)
-        form = form._replace(anchor=anchor, strength=prox.lam, linear=prox.linear)
-        optimizer = prox.inner
-    if type(optimizer) is not SGD:
+    prox = optimizer if type(optimizer) is Proximal else None
+    form = kernel_form(loss, prox, opt_state)
+    sgd = optimizer if prox is None else prox.inner
+    if form is None or type(sgd) is not SGD:
         return None
     plan = plain_plan(loss, form, params, data)
     regularizers = [t for t in (form.anchor, form.linear) if t is not None]
-    if (
-        plan is None
-        or any(not set(params) <= set(t) for t in regularizers)
-        or not all_plain([v for t in regularizers for v in t.values()])
-    ):
+    if plan is None or not all(set(params) <= set(t) for t in regularizers):
         return None
-    moving = prox is not None and prox.every > 0
+    if not all_plain([v for t in regularizers for v in t.values()]):
+        return None
+    moving = None
+    if prox is not None and prox.every > 0:
+        moving = Moving(prox.every, float(prox.follow), int(opt_state[STEPS]))
     trained, mean_loss, iterates, moved = _run(
-        plan, loss, form, params, data, optimizer.weight_decay, float(lr), steps, sum_iterates,
-        log_proximal=prox is None, every=prox.every if moving else 0,
-        follow=float(prox.follow) if moving else 0.0, done=int(opt_state[STEPS]) if moving else 0,
+        plan, loss, form, params, data, sgd.weight_decay, float(lr), steps, sum_iterates,
+        prox is None, moving,
     )  # fmt: skip
-    if moving:
+    if moved is not None:
         opt_state = opt_state | {f"{ANCHOR}{k}": v for k, v in moved[0].items()}
         opt_state[STEPS] = opt_state[STEPS] + moved[1]
     return trained, opt_state, mean_loss, iterates
+
+
+def kernel_form(loss: object, prox: Proximal | None, opt_state: OptState) -> FusedForm | None:
+    """What the kernel runs: the fused forms of ``loss``'s terms and, for SGD inside a
+    :class:`~pflego.optim.Proximal` optimizer, the optimizer's proximal and linear terms (for a
+    loss without its own), or ``None`` where a term has no fused form."""
+    form = loss.fused_form() if isinstance(loss, Objective) else None
+    if form is None or (form.centroids is not None and loss.model is None):
+        return None  # (aligning a bare head's input features: autograd)
+    if prox is None:
+        return form
+    if form.anchor is not None or form.linear is not None:
+        return None
+    anchor = prox.current_anchor(opt_state)
+    return form._replace(anchor=anchor, strength=prox.lam, linear=prox.linear)
+
+
+class Moving(NamedTuple):
+    """A proximal anchor that moves in the kernel: after every ``every``-th real step
+    (``done`` real steps were taken before), ``anchor <- anchor - follow (anchor - params)``."""
+
+    every: int
+    follow: float
+    done: int
 
 
 def plain_plan(
@@ -143,19 +161,6 @@ def plain_plan(
     return plan
 
 
-def _moreau(form: FusedForm, optimizer: Optimizer) -> Proximal | None:
-    """A :class:`Proximal` optimizer around plain SGD on a loss without a proximal or linear
-    term."""
-    if (
-        type(optimizer) is Proximal
-        and type(optimizer.inner) is SGD
-        and form.anchor is None
-        and form.linear is None
-    ):
-        return optimizer
-    return None
-
-
 def layer_keys(layer: Layer, params: Params) -> list[str]:
     """The parameter names of ``layer`` (weight, bias) that ``params`` holds."""
     return [k for k in (layer.weight, layer.bias) if k in params]
@@ -187,40 +192,85 @@ def _run(
     lr: float,
     steps: slice,
     sum_iterates: bool,
-    log_proximal: bool = True,
-    every: int = 0,
-    follow: float = 0.0,
-    done: int = 0,
+    log_proximal: bool,
+    moving: Moving | None,
 ) -> tuple[Params, Tensor, Params | None, tuple[Params, int] | None]:
-    """The steps; with ``every > 0``, also the anchor moved after every ``every`` real steps by
-    ``anchor <- anchor - follow (anchor - params)`` (``done`` real steps were taken before) and
-    the number of real steps."""
+    """The steps: the trained parameters, the mean loss over the real steps, the sum of the
+    points the steps started from (with ``sum_iterates``) and, with a ``moving`` anchor, the
+    moved anchor and the number of real steps."""
     batches, batch_mask = data.batches[steps], data.batch_mask[steps]
     real = torch.nonzero(batch_mask.sum(1) > 0).flatten()  # empty steps change nothing
-    total, count = torch.zeros(()), torch.zeros(())
-    unmoved = ({k: v.clone() for k, v in form.anchor.items()}, 0) if every > 0 else None
     if len(real) == 0:
-        iterates = {k: torch.zeros_like(v) for k, v in params.items()} if sum_iterates else None
-        return (
-            {k: v.clone() for k, v in params.items()},
-            total / count.clamp(min=1),
-            iterates,
-            unmoved,
-        )
-    batches, batch_mask = batches[real], batch_mask[real]
-    feed = step_inputs(plan, loss, form, data, batches, batch_mask)
-    inputs, target, weights = feed.inputs, feed.target, feed.weights
-    label_mask = loss.label_mask > 0
-    empty = data.x.new_empty(0)
+        zeros = {k: torch.zeros_like(v) for k, v in params.items()}
+        unmoved = None if moving is None else ({k: v.clone() for k, v in form.anchor.items()}, 0)
+        clones = {k: v.clone() for k, v in params.items()}
+        return clones, torch.zeros(()), zeros if sum_iterates else None, unmoved
+    feed = step_inputs(plan, loss, form, data, batches[real], batch_mask[real])
     # The trained parameters, in the kernel's layout, are views of one flat vector, so that the
     # regularizers cost one operation per step however many tensors the model has.
     order = [k for layer in plan for k in layer_keys(layer, params)]
     flat, views = flat_views(plan, order, params)
     held = {k: _kernel_layout(plan, k, v).contiguous() for k, v in loss.fixed.items()}
-    full = {**held, **views}
+    pulls = _pulls(plan, order, form, flat, lr, moving, len(real), log_proximal, sum_iterates)
+    strength = float(form.strength) if form.anchor is not None else 0.0
+    with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
+        log_probs, distances, dots, alignments = compiled(_steps)(
+            form.cross_entropy,
+            *layer_arguments(plan, {**held, **views}, set(views)),
+            flat,
+            *pulls,
+            follow=0.0 if moving is None else moving.follow,
+            pull_scale=lr * strength,
+            **kernel_feed(feed, loss.label_mask),
+            centroid_targets=list(feed.centroid_targets.unbind(0)),
+            centroid_rows=list(feed.centroid_rows.unbind(0)),
+            lr=lr,
+            shrink=1 - lr * (strength + weight_decay),
+            lowest=lowest_trained(plan, params),
+        )
+    values = torch.zeros(len(real), dtype=feed.target.dtype)
+    if form.cross_entropy:
+        values = -(torch.stack(log_probs) * feed.target).sum((1, 2))  # each step's cross-entropy
+    if distances:
+        values = values + strength / 2 * torch.stack(distances)
+    if dots and log_proximal:
+        values = values - torch.stack(dots)
+    if alignments:
+        values = values + torch.stack(alignments) / 2  # each the sum of 2 w_s ||gap_s||^2
+    iterates = unflatten(plan, pulls.iterates, views) if sum_iterates else None
+    moved = None if moving is None else (unflatten(plan, pulls.moving, views), len(real))
+    return unflatten(plan, flat, views), values.sum() / len(values), iterates, moved
+
+
+class Pulls(NamedTuple):
+    """The kernel's regularizer arguments (see :func:`_steps`), each empty when absent."""
+
+    anchor: Tensor
+    linear: Tensor
+    pull: Tensor
+    moving: Tensor
+    moves: list[bool]
+    iterates: Tensor
+
+
+def _pulls(
+    plan: tuple[Layer, ...],
+    order: list[str],
+    form: FusedForm,
+    flat: Tensor,
+    lr: float,
+    moving: Moving | None,
+    real: int,
+    log_proximal: bool,
+    sum_iterates: bool,
+) -> Pulls:
+    """The regularizers laid out like ``flat``: the anchor (for the logged distance), the
+    linear term's coefficients (for the logged dot product and a moving pull), the pull
+    ``lr (strength anchor + linear)`` each step adds, the moving anchor and after which of the
+    ``real`` steps it moves, and the iterate sum's buffer."""
+    empty = flat.new_empty(0)
 
     def flattened(table: Params | None) -> Tensor:
-        """A regularizer's coefficients laid out like ``flat`` (empty without one)."""
         if table is None:
             return empty
         return torch.cat([_kernel_layout(plan, k, table[k]).reshape(-1) for k in order])
@@ -228,58 +278,55 @@ def _run(
     strength = float(form.strength) if form.anchor is not None else 0.0
     anchor = flattened(form.anchor if strength != 0.0 else None)
     linear = flattened(form.linear)
-    pull = empty  # each step adds lr (strength anchor + linear) to the parameters
-    if anchor.numel():
-        pull = anchor * (lr * strength)
+    pull = anchor * (lr * strength) if anchor.numel() else empty
     if linear.numel():
         pull = linear * lr if not pull.numel() else pull.add_(linear, alpha=lr)
-    iterate_sum = torch.zeros_like(flat) if sum_iterates else empty
-    moving = anchor.clone() if every > 0 else empty  # the anchor, moved in the kernel
-    # the real steps after which it moves: every ``every``-th counted from the state's count
-    moves = [(done + j + 1) % every == 0 for j in range(len(real))] if every > 0 else []
-    with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
-        log_probs, distances, dots, alignments = compiled(_steps)(
-            form.cross_entropy,
-            [layer.kind for layer in plan],
-            [layer_settings(layer) for layer in plan],
-            [full.get(layer.weight, empty) for layer in plan],
-            [full.get(layer.bias, empty) for layer in plan],
-            [[layer.bias in full, layer.weight in views, layer.bias in views] for layer in plan],
-            flat,
-            anchor if log_proximal else empty,  # only the logged distance reads it
-            linear if log_proximal or every > 0 else empty,  # the logged dot, a moving pull
-            pull,
-            moving,
-            moves,
-            follow,
-            lr * strength,
-            iterate_sum,
-            inputs,
-            list((-target).unbind(0)),
-            list(weights.unsqueeze(1).unbind(0)),
-            list(feed.centroid_targets.unbind(0)),
-            list(feed.centroid_rows.unbind(0)),
-            weights.new_ones(weights.shape[1]),
-            label_mask.unsqueeze(1),
-            not bool(label_mask.all()),
-            torch.finfo(target.dtype).min,
-            lr,
-            1 - lr * (strength + weight_decay),
-            min(i for i, layer in enumerate(plan) if set(layer_keys(layer, params))),
-        )
-    values = torch.zeros(len(real), dtype=target.dtype)
-    if form.cross_entropy:
-        values = -(torch.stack(log_probs) * target).sum((1, 2))  # each step's cross-entropy
-    if distances:
-        values = values + strength / 2 * torch.stack(distances)
-    if dots and log_proximal:
-        values = values - torch.stack(dots)
-    if alignments:
-        values = values + torch.stack(alignments) / 2  # each the sum of 2 w_s ||gap_s||^2
-    trained = unflatten(plan, flat, views)
-    iterates = unflatten(plan, iterate_sum, views) if sum_iterates else None
-    moved = (unflatten(plan, moving, views), len(real)) if every > 0 else None
-    return trained, (total + values.sum()) / (count + len(values)), iterates, moved
+    moves = (
+        [] if moving is None else [(moving.done + j + 1) % moving.every == 0 for j in range(real)]
+    )
+    return Pulls(
+        anchor if log_proximal else empty,  # only the logged distance reads it
+        linear if log_proximal or moving is not None else empty,  # the logged dot, a moving pull
+        pull,
+        empty if moving is None else anchor.clone(),
+        moves,
+        torch.zeros_like(flat) if sum_iterates else empty,
+    )
+
+
+def layer_arguments(
+    plan: tuple[Layer, ...], full: Params, trained: set[str]
+) -> tuple[list[str], list[list[int]], list[Tensor], list[Tensor], list[list[bool]]]:
+    """The kernel's per-layer arguments: kinds, integer settings, weights and biases (empty
+    where absent) and ``[has bias, weight trained, bias trained]``."""
+    empty = next(iter(full.values())).new_empty(0)
+    return (
+        [layer.kind for layer in plan],
+        [layer_settings(layer) for layer in plan],
+        [full.get(layer.weight, empty) for layer in plan],
+        [full.get(layer.bias, empty) for layer in plan],
+        [[layer.bias in full, layer.weight in trained, layer.bias in trained] for layer in plan],
+    )
+
+
+def kernel_feed(feed: StepInputs, label_mask: Tensor) -> dict[str, object]:
+    """The kernel's per-step inputs and label arguments (see :func:`_steps`), its alignment
+    term's aside."""
+    mask = label_mask > 0
+    return {
+        "inputs": feed.inputs,
+        "negative_target": list((-feed.target).unbind(0)),
+        "weight_rows": list(feed.weights.unsqueeze(1).unbind(0)),
+        "ones": feed.weights.new_ones(feed.weights.shape[1]),
+        "label_mask": mask.unsqueeze(1),
+        "masked": not bool(mask.all()),
+        "lowest_logit": torch.finfo(feed.target.dtype).min,
+    }
+
+
+def lowest_trained(plan: tuple[Layer, ...], params: Params) -> int:
+    """The first layer with a trained parameter (the backward pass stops there)."""
+    return min(i for i, layer in enumerate(plan) if set(layer_keys(layer, params)))
 
 
 class StepInputs(NamedTuple):
@@ -392,9 +439,9 @@ def _steps(
     pull: Tensor,
     moving: Tensor,
     moves: list[bool],
+    iterates: Tensor,
     follow: float,
     pull_scale: float,
-    iterates: Tensor,
     inputs: list[Tensor],
     negative_target: list[Tensor],
     weight_rows: list[Tensor],

@@ -23,8 +23,10 @@ from torch import Tensor
 from pflego.fused import (
     all_plain,
     flat_views,
+    kernel_feed,
+    layer_arguments,
     layer_keys,
-    layer_settings,
+    lowest_trained,
     plain_plan,
     step_inputs,
     unflatten,
@@ -101,42 +103,38 @@ def _run(
     feed = step_inputs(plan, loss, FORM, data, data.batches[index], data.batch_mask[index])
     order = [k for layer in plan for k in layer_keys(layer, points[0])]
     flats, views = zip(*(flat_views(plan, order, p) for p in points), strict=True)
-    full = [{**loss.fixed, **v} for v in views]
-    empty = data.x.new_empty(0)
-    label_mask = loss.label_mask > 0
-    trained = set(points[0])
-    mixes = [[(m[0], m[1], m[2], float(m[3])) for m in s.mixes] for s in steps]
+    layers = [layer_arguments(plan, {**loss.fixed, **v}, set(points[0])) for v in views]
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
         log_probs, norms = compiled(_program)(
-            [layer.kind for layer in plan],
-            [layer_settings(layer) for layer in plan],
-            [[f.get(layer.weight, empty) for layer in plan] for f in full],
-            [[f.get(layer.bias, empty) for layer in plan] for f in full],
-            [[layer.bias in full[0], layer.weight in trained, layer.bias in trained] for layer in plan],
+            *layers[0][:2],
+            [arguments[2] for arguments in layers],
+            [arguments[3] for arguments in layers],
+            layers[0][4],
             list(flats),
-            [[m[0] for m in step_mixes] for step_mixes in mixes],
-            [[m[1] for m in step_mixes] for step_mixes in mixes],
-            [[m[2] for m in step_mixes] for step_mixes in mixes],
-            [[m[3] for m in step_mixes] for step_mixes in mixes],
-            [s.at for s in steps],
-            [s.into for s in steps],
-            [float(s.lr) for s in steps],
-            [float(s.shrink) for s in steps],
-            [position[s.row] for s in steps],
-            [s.record for s in steps],
-            feed.inputs,
-            list((-feed.target).unbind(0)),
-            list(feed.weights.unsqueeze(1).unbind(0)),
-            feed.weights.new_ones(feed.weights.shape[1]),
-            label_mask.unsqueeze(1),
-            not bool(label_mask.all()),
-            torch.finfo(feed.target.dtype).min,
-            min(i for i, layer in enumerate(plan) if set(layer_keys(layer, points[0]))),
-        )  # fmt: skip
+            *step_arguments(steps, position),
+            **kernel_feed(feed, loss.label_mask),
+            lowest=lowest_trained(plan, points[0]),
+        )
     targets = feed.target[[position[s.row] for s in steps]]
     values = -(torch.stack(log_probs) * targets).sum((1, 2))
     points = [unflatten(plan, flat, v) for flat, v in zip(flats, views, strict=True)]
     return points, values, norms
+
+
+def step_arguments(steps: Sequence[Step], position: dict[int, int]) -> list[list]:
+    """The kernel's per-step arguments (see :func:`_program`): the mixes' destinations,
+    starts, ends and weights, then each step's ``at``, ``into``, step size, shrinkage, row of
+    the gathered minibatches and ``record``."""
+    mixes = [[(m[0], m[1], m[2], float(m[3])) for m in s.mixes] for s in steps]
+    return [
+        *([[m[j] for m in step] for step in mixes] for j in range(4)),
+        [s.at for s in steps],
+        [s.into for s in steps],
+        [float(s.lr) for s in steps],
+        [float(s.shrink) for s in steps],
+        [position[s.row] for s in steps],
+        [s.record for s in steps],
+    ]
 
 
 def _program(
