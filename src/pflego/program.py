@@ -86,7 +86,9 @@ class Outcome(NamedTuple):
 def active_steps(data: ClientData, steps: Sequence[Step]) -> Tensor:
     """``[S]`` booleans: whether each step runs (its row and its gate rows hold samples)."""
     real = data.batch_mask.sum(-1) > 0
-    return torch.stack([real[[s.row, *s.gate]].all() for s in steps])
+    width = 1 + max((len(s.gate) for s in steps), default=0)
+    rows = [[s.row, *s.gate, *[s.row] * (width - 1 - len(s.gate))] for s in steps]
+    return real[torch.tensor(rows, dtype=torch.long, device=real.device)].all(-1)
 
 
 def mixed(start: Params, end: Params, weight: Weight) -> Params:

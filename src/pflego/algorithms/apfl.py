@@ -235,12 +235,12 @@ class APFL(Algorithm):
         until the first real step and ``once`` (when given) after it."""
         real = (data.batch_mask.sum(-1) > 0).to(alpha.dtype)
         before = torch.cumsum(real, 0) - real  # the real steps before each
+        weights = alpha.expand_as(real) if once is None else torch.where(before > 0, once, alpha)
         shrink = 1 - lr * decay
         steps = []
-        for row in range(data.batches.shape[0]):
-            a = alpha if once is None else torch.where(before[row] > 0, once, alpha)
+        for row, (a, step) in enumerate(zip(weights.unbind(0), (lr * weights).unbind(0))):
             mix = ((2, 0, 1, a),)  # v-bar <- w + a (v - w)
-            steps += [Step(0, 0, lr, shrink, row, mix), Step(2, 1, lr * a, shrink, row)]
+            steps += [Step(0, 0, lr, shrink, row, mix), Step(2, 1, step, shrink, row)]
         return steps
 
     def population_metrics(self, server, states):
