@@ -173,3 +173,33 @@ def test_fused_forms_merge_and_refuse_a_second_term_of_a_kind():
     assert form == FusedForm(cross_entropy=True, anchor=anchor, strength=0.5)
     twice = Objective(None, torch.ones(2), terms=(Proximal(anchor, 0.5), Proximal(anchor, 0.1)))
     assert twice.fused_form() is None
+
+
+def test_an_algorithm_declares_its_objective_unless_it_writes_its_own_loss():
+    """The model's cross-entropy as an Objective (its steps fuse); a subclass's own ``loss`` (and
+    its subclasses') as a function of it, which autograd differentiates."""
+    from dataclasses import dataclass
+
+    from pflego.algorithms.fedavg import FedAvg
+
+    @dataclass(frozen=True)
+    class Doubled(FedAvg):
+        def loss(self, params, x, y, mask, label_mask):
+            return 2 * super().loss(params, x, y, mask, label_mask)
+
+    @dataclass(frozen=True)
+    class Inherited(Doubled):
+        pass
+
+    model, params, x, y = setting("mlp")
+    data = client(x, y, 4, 1.0)
+    assert isinstance(FedAvg(model=model).model_objective(data.label_mask), Objective)
+    plain = FedAvg(model=model).model_objective(data.label_mask)
+    for cls in (Doubled, Inherited):
+        own = cls(model=model).model_objective(data.label_mask)
+        assert not isinstance(own, Objective)
+        batch = (params, x[:4], y[:4], torch.ones(4, dtype=torch.float64))
+        torch.testing.assert_close(own(*batch), 2 * plain(*batch))
+        with fused_steps() as counts:
+            train_steps(own, params, data, SGD(), {}, 0.3)
+        assert (counts.fused, counts.autograd) == (0, 1)

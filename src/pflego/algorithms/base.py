@@ -258,12 +258,14 @@ class Algorithm:
 
     # --- helpers shared by the weight-averaging methods -----------------------------------------
 
+    # A subclass that writes its own ``loss`` / ``head_loss`` declares no objective: its steps
+    # differentiate that function.
+    _own_loss = _own_head_loss = False
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        # A subclass that writes its own ``loss`` / ``head_loss`` declares no objective: its
-        # steps differentiate that function.
-        cls._own_loss = getattr(cls, "_own_loss", False) or "loss" in vars(cls)
-        cls._own_head_loss = getattr(cls, "_own_head_loss", False) or "head_loss" in vars(cls)
+        cls._own_loss = cls._own_loss or "loss" in vars(cls)
+        cls._own_head_loss = cls._own_head_loss or "head_loss" in vars(cls)
 
     def loss(
         self, params: Params, x: Tensor, y: Tensor, mask: Tensor, label_mask: Tensor
