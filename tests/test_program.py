@@ -203,3 +203,17 @@ def test_an_algorithm_declares_its_objective_unless_it_writes_its_own_loss():
         with fused_steps() as counts:
             train_steps(own, params, data, SGD(), {}, 0.3)
         assert (counts.fused, counts.autograd) == (0, 1)
+
+
+def test_a_program_of_no_steps_changes_nothing():
+    """A Per-FedAvg client with fewer rows than a meta-step: no step, by either interpreter."""
+    model, params, x, y = setting("mlp")
+    data = client(x, y, 4, 1.0)
+    loss = Objective(model, data.label_mask)
+    for fused in (False, True):
+        with fused_steps(fused):
+            out = run_program(loss, [params], data, [])
+        assert out.values.shape == out.active.shape == out.norms.shape == (0,)
+        assert out.mean_value() == 0
+        for k in params:
+            torch.testing.assert_close(out.points[0][k], params[k])

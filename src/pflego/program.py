@@ -88,7 +88,8 @@ def active_steps(data: ClientData, steps: Sequence[Step]) -> Tensor:
     real = data.batch_mask.sum(-1) > 0
     width = 1 + max((len(s.gate) for s in steps), default=0)
     rows = [[s.row, *s.gate, *[s.row] * (width - 1 - len(s.gate))] for s in steps]
-    return real[torch.tensor(rows, dtype=torch.long, device=real.device)].all(-1)
+    index = torch.tensor(rows, dtype=torch.long, device=real.device).reshape(len(steps), width)
+    return real[index].all(-1)
 
 
 def mixed(start: Params, end: Params, weight: Weight) -> Params:
