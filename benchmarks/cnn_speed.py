@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import pflego.fused
 import pflego.models.layers
 from pflego.fused import fused_sgd_steps
-from pflego.loss import ModelLoss
+from pflego.loss import Objective
 from pflego.models import apply_layers, build_model, init_head
 from pflego.optim import SGD
 from pflego.sim.clients import schedule
@@ -76,7 +76,7 @@ def main() -> None:
     x, y = torch.randn((n, *shape), generator=gen), torch.randint(0, 10, (n,), generator=gen)
     batches, mask = schedule(n, n // 10, 10, 1.0, np.random.default_rng(0))
     data = ClientData(x, y, torch.ones(n), batches, mask.float(), torch.ones(10), torch.tensor(n))
-    loss = ModelLoss(model, data.label_mask)
+    loss = Objective(model, data.label_mask)
     head = nn.Linear(model.feature_dim, 10)
     net = nn.Sequential(OrderedDict(body=copy.deepcopy(model.body), head=head))
     net.load_state_dict(params)

@@ -13,7 +13,8 @@ from torch.func import vmap
 from pflego.algorithms.pfedme import PFedMe
 from pflego.fused import fused_sgd_steps
 from pflego.local import fused_steps, train_steps, train_steps_summing_iterates
-from pflego.loss import ModelLoss
+from pflego.loss import CrossEntropy, Linear, Objective
+from pflego.loss import Proximal as ProximalTerm
 from pflego.models import SplitModel, apply_layers, build_model, channels_last, init_head
 from pflego.optim import SGD, Momentum, Proximal
 from pflego.sim.backends import fuses
@@ -87,7 +88,7 @@ def client(x: torch.Tensor, y: torch.Tensor, batch_size: int | None, epochs: flo
     )
 
 
-def both(loss: ModelLoss, params, data, optimizer, steps=slice(None)):
+def both(loss: Objective, params, data, optimizer, steps=slice(None)):
     reference = train_steps(loss, params, data, optimizer, optimizer.init(params), 0.3, steps)
     with fused_steps() as counts:
         fused = train_steps(loss, params, data, optimizer, optimizer.init(params), 0.3, steps)
@@ -109,15 +110,15 @@ def test_fused_steps_equal_autograd(name, trained, terms, batch_size):
     gen = torch.Generator().manual_seed(9)
     other = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in train.items()}
     extra = {
-        "plain": {},
-        "proximal": {"anchor": other, "strength": 0.7},
-        "linear": {"linear": other},
-        "weight-decay": {},
-        "weighted": {"sample_weights": torch.rand(13, generator=gen, dtype=torch.float64)},
+        "plain": (CrossEntropy(),),
+        "proximal": (CrossEntropy(), ProximalTerm(other, 0.7)),
+        "linear": (CrossEntropy(), Linear(other)),
+        "weight-decay": (CrossEntropy(),),
+        "weighted": (CrossEntropy(torch.rand(13, generator=gen, dtype=torch.float64)),),
     }[terms]
     optimizer = SGD(weight_decay=0.1 if terms == "weight-decay" else 0.0)
     data = client(x, y, batch_size, 2.0)
-    loss = ModelLoss(model, data.label_mask, fixed=fixed, **extra)
+    loss = Objective(model, data.label_mask, fixed=fixed, terms=extra)
     (ref, _, ref_loss), (out, _, out_loss), counts = both(loss, train, data, optimizer)
     assert (counts.fused, counts.autograd) == (1, 0)
     for k in ref:
@@ -133,8 +134,8 @@ def test_channels_last_steps_on_several_input_channels_equal_autograd(terms, bat
     model, params, x, y = setting("rgb-conv")
     data = client(x, y, batch_size, 2.0)
     anchor = {k: v * 0.5 for k, v in params.items()}
-    extra = {"anchor": anchor, "strength": 0.7} if terms == "proximal" else {}
-    loss = ModelLoss(model, data.label_mask, **extra)
+    extra = (ProximalTerm(anchor, 0.7),) if terms == "proximal" else ()
+    loss = Objective(model, data.label_mask, terms=(CrossEntropy(), *extra))
     (ref, _, ref_loss), (out, _, out_loss), counts = both(loss, params, data, SGD())
     assert (counts.fused, counts.autograd) == (1, 0)
     for k in ref:
@@ -157,7 +158,7 @@ def test_sample_weights_weigh_each_samples_cross_entropy():
     model, params, x, y = setting("mlp")
     data = client(x, y, 4, 1.0)
     weights = torch.rand(len(y), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    loss = ModelLoss(model, data.label_mask, sample_weights=weights)
+    loss = Objective(model, data.label_mask, terms=(CrossEntropy(weights),))
     idx, mask = data.batches[-1], data.batch_mask[-1]
     logits = model.forward(params, x[idx]).masked_fill(data.label_mask == 0, -torch.inf)
     by_hand = -(torch.log_softmax(logits, -1)[torch.arange(len(idx)), y[idx]])
@@ -171,7 +172,7 @@ def test_iterate_sums_fused_equal_a_step_by_step_sum(name):
     data = client(x, y, 4, 2.0)
     gen = torch.Generator().manual_seed(2)
     other = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
-    loss = ModelLoss(model, data.label_mask, linear=other)
+    loss = Objective(model, data.label_mask, terms=(CrossEntropy(), Linear(other)))
     expected = {k: torch.zeros_like(v) for k, v in params.items()}
     current = params
     for s in range(len(data.batches)):  # one step at a time, summing where each real step starts
@@ -190,7 +191,7 @@ def test_iterate_sums_fused_equal_a_step_by_step_sum(name):
 def test_a_slice_of_the_steps_and_no_steps():
     model, params, x, y = setting("mlp")
     data = client(x, y, 4, 1.0)
-    loss = ModelLoss(model, data.label_mask)
+    loss = Objective(model, data.label_mask)
     for steps in (slice(0, -1), slice(0, 0)):
         (ref, _, ref_loss), (out, _, out_loss), _ = both(loss, params, data, SGD(), steps)
         for k in ref:
@@ -201,7 +202,7 @@ def test_a_slice_of_the_steps_and_no_steps():
 def test_what_does_not_fuse_runs_autograd():
     model, params, x, y = setting("mlp")
     data = client(x, y, 4, 1.0)
-    loss = ModelLoss(model, data.label_mask)
+    loss = Objective(model, data.label_mask)
     closure = lambda p, xb, yb, m: loss(p, xb, yb, m)  # noqa: E731
     cases = [
         (closure, params, SGD()),  # an undeclared loss
@@ -212,7 +213,7 @@ def test_what_does_not_fuse_runs_autograd():
         with fused_steps() as counts:
             train_steps(fn, p, data, opt, opt.init(p), 0.1)
         assert (counts.fused, counts.autograd) == (0, 1)
-    lstm = ModelLoss(build_model("lstm", (5,), 3, 3), data.label_mask)  # other modules
+    lstm = Objective(build_model("lstm", (5,), 3, 3), data.label_mask)  # other modules
     assert fused_sgd_steps(lstm, params, data, SGD(), 0.1) is None
 
     def one(p, xb, yb):  # under vmap the tensors are wrapped: autograd, vectorized
@@ -268,17 +269,19 @@ def test_a_proximal_optimizer_fuses_and_logs_the_loss_without_its_term(weight_de
     anchor = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
     solver = Proximal(SGD(weight_decay=weight_decay), 0.7, anchor)
     (ref, _, ref_loss), (out, _, out_loss), counts = both(
-        ModelLoss(model, data.label_mask), params, data, solver
+        Objective(model, data.label_mask), params, data, solver
     )
     assert (counts.fused, counts.autograd) == (1, 0)
     for k in ref:
         torch.testing.assert_close(out[k], ref[k], atol=1e-10, rtol=1e-9, msg=k)
     torch.testing.assert_close(out_loss, ref_loss, atol=1e-10, rtol=1e-9)
     with fused_steps() as counts:  # a loss with its own proximal term, or momentum: autograd
-        proximal = ModelLoss(model, data.label_mask, anchor=anchor, strength=0.1)
+        proximal = Objective(
+            model, data.label_mask, terms=(CrossEntropy(), ProximalTerm(anchor, 0.1))
+        )
         train_steps(proximal, params, data, solver, {}, 0.3)
         inner = Proximal(Momentum(), 0.7, anchor)
-        train_steps(ModelLoss(model, data.label_mask), params, data, inner, inner.init(params), 0.3)
+        train_steps(Objective(model, data.label_mask), params, data, inner, inner.init(params), 0.3)
     assert (counts.fused, counts.autograd) == (0, 2)
 
 
@@ -312,7 +315,7 @@ def test_a_moving_anchor_continues_across_calls_from_its_state():
     model, params, x, y = setting("conv")
     data = client(x, y, 4, 3.0)
     solver = Proximal(SGD(), 0.7, {k: v * 0.5 for k, v in params.items()}, every=3, follow=0.2)
-    loss = ModelLoss(model, data.label_mask)
+    loss = Objective(model, data.label_mask)
     whole, state, _ = train_steps(loss, params, data, solver, solver.init(params), 0.3)
     for fused in (False, True):
         with fused_steps(fused) as counts:

@@ -1,4 +1,4 @@
-"""The feature-alignment term of a ModelLoss (FedPAC's, FedProto's, FedAS's) equals its definition,
+"""The feature-alignment term of an Objective (FedPAC's, FedProto's, FedAS's) equals its definition,
 runs as fused steps equal to autograd's, and makes those methods' local steps fuse."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pflego.algorithms.fedas import FedAS
 from pflego.algorithms.fedpac import FedPAC
 from pflego.algorithms.fedproto import FedProto
 from pflego.local import fused_steps
-from pflego.loss import ModelLoss
+from pflego.loss import Alignment, CrossEntropy, Objective, Proximal
 from pflego.optim import SGD
 from pflego.sim.backends import fuses
 from pflego.types import RoundContext
@@ -33,8 +33,10 @@ def test_the_alignment_term_is_its_definition():
     centroids, weights = centroids_for(model)
     mask = torch.ones(len(y), dtype=torch.float64)
     mask[[2, 7]] = 0
-    plain = ModelLoss(model, torch.ones(3, dtype=torch.float64))
-    aligned = ModelLoss(model, plain.label_mask, centroids=centroids, centroid_weights=weights)
+    plain = Objective(model, torch.ones(3, dtype=torch.float64))
+    aligned = Objective(
+        model, plain.label_mask, terms=(CrossEntropy(), Alignment(centroids, weights))
+    )
     features = model.features(params, x)
     by_hand = (
         sum(
@@ -54,13 +56,8 @@ def test_class_means_sum_each_classes_mean_without_cross_entropy():
     centroids, weights = centroids_for(model)
     mask = torch.ones(len(y), dtype=torch.float64)
     mask[[2, 7]] = 0
-    loss = ModelLoss(
-        model,
-        torch.ones(3, dtype=torch.float64),
-        centroids=centroids,
-        centroid_weights=weights,
-        class_means=True,
-        cross_entropy=False,
+    loss = Objective(
+        model, torch.ones(3, dtype=torch.float64), terms=(Alignment(centroids, weights, True),)
     )
     features = model.features(params, x)
     by_hand = 0.0
@@ -79,14 +76,7 @@ def test_headless_class_mean_steps_fused_equal_autograd(name, batch_size):
     body = {k: v for k, v in params.items() if k.startswith("body.")}
     centroids, weights = centroids_for(model)
     data = client(x, y, batch_size, 2.0)
-    loss = ModelLoss(
-        model,
-        data.label_mask,
-        centroids=centroids,
-        centroid_weights=weights,
-        class_means=True,
-        cross_entropy=False,
-    )
+    loss = Objective(model, data.label_mask, terms=(Alignment(centroids, weights, True),))
     (ref, _, ref_loss), (out, _, out_loss), counts = both(loss, body, data, SGD())
     assert (counts.fused, counts.autograd) == (1, 0)
     for k in ref:
@@ -107,14 +97,14 @@ def test_aligned_steps_fused_equal_autograd(name, trained, batch_size, others):
     fixed = {k: v for k, v in params.items() if k not in train}
     centroids, weights = centroids_for(model)
     gen = torch.Generator().manual_seed(9)
-    extra = {}
+    extra = (CrossEntropy(),)
     if others:
         anchor = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in train.items()}
         samples = torch.rand(len(y), generator=gen, dtype=torch.float64)
-        extra = {"anchor": anchor, "strength": 0.7, "sample_weights": samples}
+        extra = (CrossEntropy(samples), Proximal(anchor, 0.7))
     data = client(x, y, batch_size, 2.0)
-    loss = ModelLoss(
-        model, data.label_mask, fixed, centroids=centroids, centroid_weights=weights, **extra
+    loss = Objective(
+        model, data.label_mask, fixed, (extra[0], Alignment(centroids, weights), *extra[1:])
     )
     optimizer = SGD(weight_decay=0.1 if others else 0.0)
     (ref, _, ref_loss), (out, _, out_loss), counts = both(loss, train, data, optimizer)
@@ -122,7 +112,7 @@ def test_aligned_steps_fused_equal_autograd(name, trained, batch_size, others):
     for k in ref:
         torch.testing.assert_close(out[k], ref[k], atol=1e-10, rtol=1e-9, msg=k)
     torch.testing.assert_close(out_loss, ref_loss, atol=1e-10, rtol=1e-9)
-    unaligned = ModelLoss(model, data.label_mask, fixed, **extra)
+    unaligned = Objective(model, data.label_mask, fixed, extra)
     (plain, _, _), _, _ = both(unaligned, train, data, optimizer)
     assert any(not torch.allclose(plain[k], ref[k]) for k in train if k.startswith("body."))
 
@@ -131,12 +121,10 @@ def test_aligning_a_bare_heads_input_runs_autograd():
     """Without a model the features are the input, which no step changes: autograd."""
     _, params, x, y = setting("head")
     data = client(x, y, 4, 1.0)
-    loss = ModelLoss(
-        None,
-        data.label_mask,
-        centroids=torch.zeros((3, 6), dtype=torch.float64),
-        centroid_weights=torch.ones(3, dtype=torch.float64),
+    alignment = Alignment(
+        torch.zeros((3, 6), dtype=torch.float64), torch.ones(3, dtype=torch.float64)
     )
+    loss = Objective(None, data.label_mask, terms=(CrossEntropy(), alignment))
     (ref, _, ref_loss), (out, _, out_loss), counts = both(loss, params, data, SGD())
     assert (counts.fused, counts.autograd) == (0, 1)
     torch.testing.assert_close(out_loss, ref_loss)

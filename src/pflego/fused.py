@@ -1,6 +1,6 @@
 """Fused SGD steps: local training on a declared loss without autograd.
 
-For a :class:`~pflego.local.ModelLoss` whose model is a sequence of ``Linear``, ``Conv2d``,
+For a :class:`~pflego.loss.Objective` whose terms all have fused forms and whose model is a sequence of ``Linear``, ``Conv2d``,
 ``ReLU``, ``MaxPool2d`` and ``Flatten`` layers with a linear head, and for plain SGD (optionally
 with weight decay), every local step is one forward pass that keeps the activations it needs and
 one backward pass that applies each layer's update as soon as the gradient below it is taken:
@@ -25,7 +25,6 @@ transform) returns ``None`` from :func:`fused_sgd_steps`, and the caller uses au
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -34,7 +33,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from pflego.fused_passes import backward_pass, compiled, forward_pass
-from pflego.loss import ModelLoss
+from pflego.loss import FusedForm, Objective
 from pflego.models import Layer, channels_last
 from pflego.optim import ANCHOR, SGD, STEPS, Optimizer, OptState, Proximal
 from pflego.tree import Params
@@ -43,7 +42,7 @@ from pflego.types import ClientData
 HEAD = (Layer("linear", "head"),)
 
 
-def layer_plan(loss: ModelLoss) -> tuple[Layer, ...] | None:
+def layer_plan(loss: Objective) -> tuple[Layer, ...] | None:
     """The model's plain layers in forward order with its head (unless the loss has no
     cross-entropy), or ``None`` if it has others."""
     head = HEAD if loss.cross_entropy else ()
@@ -69,7 +68,8 @@ def fused_sgd_steps(
     sum_iterates: bool = False,
     opt_state: OptState | None = None,
 ) -> tuple[Params, OptState, Tensor, Params | None] | None:
-    """``train_steps`` for plain SGD on a :class:`ModelLoss`, or ``None`` when it does not apply.
+    """``train_steps`` for plain SGD on an :class:`~pflego.loss.Objective`, or ``None`` when it
+    does not apply.
 
     SGD inside a :class:`~pflego.optim.Proximal` optimizer is SGD on the loss with that proximal
     (and linear) term, whose value is left out of the logged loss; its anchor (from
@@ -81,37 +81,59 @@ def fused_sgd_steps(
         (else ``None``).
     """
     opt_state = {} if opt_state is None else opt_state
-    if not isinstance(loss, ModelLoss) or (loss.centroids is not None and loss.model is None):
-        return None  # (aligning a bare head's input features: autograd)
-    prox = _moreau(loss, optimizer)
-    if prox is not None:  # the optimizer's terms: as the loss's, but left out of its value
-        anchor = prox.current_anchor(opt_state)
-        loss = dataclasses.replace(loss, anchor=anchor, strength=prox.lam, linear=prox.linear)
-        optimizer = prox.inner
-    if type(optimizer) is not SGD:
+    prox = optimizer if type(optimizer) is Proximal else None
+    form = kernel_form(loss, prox, opt_state)
+    sgd = optimizer if prox is None else prox.inner
+    if form is None or type(sgd) is not SGD:
         return None
-    plan = plain_plan(loss, params, data)
-    regularizers = [t for t in (loss.anchor, loss.linear) if t is not None]
-    if (
-        plan is None
-        or any(not set(params) <= set(t) for t in regularizers)
-        or not all_plain([v for t in regularizers for v in t.values()])
-    ):
+    plan = plain_plan(loss, form, params, data)
+    regularizers = [t for t in (form.anchor, form.linear) if t is not None]
+    if plan is None or not all(set(params) <= set(t) for t in regularizers):
         return None
-    moving = prox is not None and prox.every > 0
+    if not all_plain([v for t in regularizers for v in t.values()]):
+        return None
+    moving = None
+    if prox is not None and prox.every > 0:
+        moving = Moving(prox.every, float(prox.follow), int(opt_state[STEPS]))
     trained, mean_loss, iterates, moved = _run(
-        plan, loss, params, data, optimizer.weight_decay, float(lr), steps, sum_iterates,
-        log_proximal=prox is None, every=prox.every if moving else 0,
-        follow=float(prox.follow) if moving else 0.0, done=int(opt_state[STEPS]) if moving else 0,
+        plan, loss, form, params, data, sgd.weight_decay, float(lr), steps, sum_iterates,
+        prox is None, moving,
     )  # fmt: skip
-    if moving:
+    if moved is not None:
         opt_state = opt_state | {f"{ANCHOR}{k}": v for k, v in moved[0].items()}
         opt_state[STEPS] = opt_state[STEPS] + moved[1]
     return trained, opt_state, mean_loss, iterates
 
 
-def plain_plan(loss: ModelLoss, params: Params, data: ClientData) -> tuple[Layer, ...] | None:
-    """The layers fused steps run ``loss`` (its regularizers aside) on, when every parameter is
+def kernel_form(loss: object, prox: Proximal | None, opt_state: OptState) -> FusedForm | None:
+    """What the kernel runs: the fused forms of ``loss``'s terms and, for SGD inside a
+    :class:`~pflego.optim.Proximal` optimizer, the optimizer's proximal and linear terms (for a
+    loss without its own), or ``None`` where a term has no fused form."""
+    form = loss.fused_form() if isinstance(loss, Objective) else None
+    if form is None or (form.centroids is not None and loss.model is None):
+        return None  # (aligning a bare head's input features: autograd)
+    if prox is None:
+        return form
+    if form.anchor is not None or form.linear is not None:
+        return None
+    anchor = prox.current_anchor(opt_state)
+    return form._replace(anchor=anchor, strength=prox.lam, linear=prox.linear)
+
+
+class Moving(NamedTuple):
+    """A proximal anchor that moves in the kernel: after every ``every``-th real step
+    (``done`` real steps were taken before), ``anchor <- anchor - follow (anchor - params)``."""
+
+    every: int
+    follow: float
+    done: int
+
+
+def plain_plan(
+    loss: Objective, form: FusedForm, params: Params, data: ClientData
+) -> tuple[Layer, ...] | None:
+    """The layers fused steps run ``loss`` (with its terms' fused ``form``, its regularizers
+    aside) on, when every parameter is
     a plain layer's, untracked by autograd and outside ``torch.func`` transforms, and ``data``'s
     inputs reach each layer in its shape; else ``None``."""
     plan = layer_plan(loss)
@@ -130,26 +152,13 @@ def plain_plan(loss: ModelLoss, params: Params, data: ClientData) -> tuple[Layer
         or not weights <= names
         or not params
         or not all_plain([*full.values(), data.x, data.batches, data.batch_mask])
-        or not all_plain([] if loss.sample_weights is None else [loss.sample_weights])
-        or not all_plain([] if loss.centroids is None else [loss.centroids, loss.centroid_weights])
+        or not all_plain([] if form.sample_weights is None else [form.sample_weights])
+        or not all_plain([] if form.centroids is None else [form.centroids, form.centroid_weights])
         or not _fits(plan, data.x.shape[1:])
         or ("head.weight" not in full and loss.cross_entropy)
     ):
         return None
     return plan
-
-
-def _moreau(loss: ModelLoss, optimizer: Optimizer) -> Proximal | None:
-    """A :class:`Proximal` optimizer around plain SGD on a loss without a proximal or linear
-    term."""
-    if (
-        type(optimizer) is Proximal
-        and type(optimizer.inner) is SGD
-        and loss.anchor is None
-        and loss.linear is None
-    ):
-        return optimizer
-    return None
 
 
 def layer_keys(layer: Layer, params: Params) -> list[str]:
@@ -175,106 +184,149 @@ def _fits(plan: tuple[Layer, ...], sample_shape: torch.Size) -> bool:
 
 def _run(
     plan: tuple[Layer, ...],
-    loss: ModelLoss,
+    loss: Objective,
+    form: FusedForm,
     params: Params,
     data: ClientData,
     weight_decay: float,
     lr: float,
     steps: slice,
     sum_iterates: bool,
-    log_proximal: bool = True,
-    every: int = 0,
-    follow: float = 0.0,
-    done: int = 0,
+    log_proximal: bool,
+    moving: Moving | None,
 ) -> tuple[Params, Tensor, Params | None, tuple[Params, int] | None]:
-    """The steps; with ``every > 0``, also the anchor moved after every ``every`` real steps by
-    ``anchor <- anchor - follow (anchor - params)`` (``done`` real steps were taken before) and
-    the number of real steps."""
+    """The steps: the trained parameters, the mean loss over the real steps, the sum of the
+    points the steps started from (with ``sum_iterates``) and, with a ``moving`` anchor, the
+    moved anchor and the number of real steps."""
     batches, batch_mask = data.batches[steps], data.batch_mask[steps]
     real = torch.nonzero(batch_mask.sum(1) > 0).flatten()  # empty steps change nothing
-    total, count = torch.zeros(()), torch.zeros(())
-    unmoved = ({k: v.clone() for k, v in loss.anchor.items()}, 0) if every > 0 else None
     if len(real) == 0:
-        iterates = {k: torch.zeros_like(v) for k, v in params.items()} if sum_iterates else None
-        return (
-            {k: v.clone() for k, v in params.items()},
-            total / count.clamp(min=1),
-            iterates,
-            unmoved,
-        )
-    batches, batch_mask = batches[real], batch_mask[real]
-    feed = step_inputs(plan, loss, data, batches, batch_mask)
-    inputs, target, weights = feed.inputs, feed.target, feed.weights
-    label_mask = loss.label_mask > 0
-    empty = data.x.new_empty(0)
+        zeros = {k: torch.zeros_like(v) for k, v in params.items()}
+        unmoved = None if moving is None else ({k: v.clone() for k, v in form.anchor.items()}, 0)
+        clones = {k: v.clone() for k, v in params.items()}
+        return clones, torch.zeros(()), zeros if sum_iterates else None, unmoved
+    feed = step_inputs(plan, loss, form, data, batches[real], batch_mask[real])
     # The trained parameters, in the kernel's layout, are views of one flat vector, so that the
     # regularizers cost one operation per step however many tensors the model has.
     order = [k for layer in plan for k in layer_keys(layer, params)]
     flat, views = flat_views(plan, order, params)
     held = {k: _kernel_layout(plan, k, v).contiguous() for k, v in loss.fixed.items()}
-    full = {**held, **views}
-
-    def flattened(table: Params | None) -> Tensor:
-        """A regularizer's coefficients laid out like ``flat`` (empty without one)."""
-        if table is None:
-            return empty
-        return torch.cat([_kernel_layout(plan, k, table[k]).reshape(-1) for k in order])
-
-    strength = float(loss.strength) if loss.anchor is not None else 0.0
-    anchor = flattened(loss.anchor if strength != 0.0 else None)
-    linear = flattened(loss.linear)
-    pull = empty  # each step adds lr (strength anchor + linear) to the parameters
-    if anchor.numel():
-        pull = anchor * (lr * strength)
-    if linear.numel():
-        pull = linear * lr if not pull.numel() else pull.add_(linear, alpha=lr)
-    iterate_sum = torch.zeros_like(flat) if sum_iterates else empty
-    moving = anchor.clone() if every > 0 else empty  # the anchor, moved in the kernel
-    # the real steps after which it moves: every ``every``-th counted from the state's count
-    moves = [(done + j + 1) % every == 0 for j in range(len(real))] if every > 0 else []
+    pulls = _pulls(plan, order, form, flat, lr, moving, len(real), log_proximal, sum_iterates)
+    strength = float(form.strength) if form.anchor is not None else 0.0
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
         log_probs, distances, dots, alignments = compiled(_steps)(
-            loss.cross_entropy,
-            [layer.kind for layer in plan],
-            [layer_settings(layer) for layer in plan],
-            [full.get(layer.weight, empty) for layer in plan],
-            [full.get(layer.bias, empty) for layer in plan],
-            [[layer.bias in full, layer.weight in views, layer.bias in views] for layer in plan],
+            form.cross_entropy,
+            *layer_arguments(plan, {**held, **views}, set(views)),
             flat,
-            anchor if log_proximal else empty,  # only the logged distance reads it
-            linear if log_proximal or every > 0 else empty,  # the logged dot, a moving pull
-            pull,
-            moving,
-            moves,
-            follow,
-            lr * strength,
-            iterate_sum,
-            inputs,
-            list((-target).unbind(0)),
-            list(weights.unsqueeze(1).unbind(0)),
-            list(feed.centroid_targets.unbind(0)),
-            list(feed.centroid_rows.unbind(0)),
-            weights.new_ones(weights.shape[1]),
-            label_mask.unsqueeze(1),
-            not bool(label_mask.all()),
-            torch.finfo(target.dtype).min,
-            lr,
-            1 - lr * (strength + weight_decay),
-            min(i for i, layer in enumerate(plan) if set(layer_keys(layer, params))),
+            *pulls,
+            follow=0.0 if moving is None else moving.follow,
+            pull_scale=lr * strength,
+            **kernel_feed(feed, loss.label_mask),
+            centroid_targets=list(feed.centroid_targets.unbind(0)),
+            centroid_rows=list(feed.centroid_rows.unbind(0)),
+            lr=lr,
+            shrink=1 - lr * (strength + weight_decay),
+            lowest=lowest_trained(plan, params),
         )
-    values = torch.zeros(len(real), dtype=target.dtype)
-    if loss.cross_entropy:
-        values = -(torch.stack(log_probs) * target).sum((1, 2))  # each step's cross-entropy
+    values = torch.zeros(len(real), dtype=feed.target.dtype)
+    if form.cross_entropy:
+        values = -(torch.stack(log_probs) * feed.target).sum((1, 2))  # each step's cross-entropy
     if distances:
         values = values + strength / 2 * torch.stack(distances)
     if dots and log_proximal:
         values = values - torch.stack(dots)
     if alignments:
         values = values + torch.stack(alignments) / 2  # each the sum of 2 w_s ||gap_s||^2
-    trained = unflatten(plan, flat, views)
-    iterates = unflatten(plan, iterate_sum, views) if sum_iterates else None
-    moved = (unflatten(plan, moving, views), len(real)) if every > 0 else None
-    return trained, (total + values.sum()) / (count + len(values)), iterates, moved
+    iterates = unflatten(plan, pulls.iterates, views) if sum_iterates else None
+    moved = None if moving is None else (unflatten(plan, pulls.moving, views), len(real))
+    return unflatten(plan, flat, views), values.sum() / len(values), iterates, moved
+
+
+class Pulls(NamedTuple):
+    """The kernel's regularizer arguments (see :func:`_steps`), each empty when absent."""
+
+    anchor: Tensor
+    linear: Tensor
+    pull: Tensor
+    moving: Tensor
+    moves: list[bool]
+    iterates: Tensor
+
+
+def _pulls(
+    plan: tuple[Layer, ...],
+    order: list[str],
+    form: FusedForm,
+    flat: Tensor,
+    lr: float,
+    moving: Moving | None,
+    real: int,
+    log_proximal: bool,
+    sum_iterates: bool,
+) -> Pulls:
+    """The regularizers laid out like ``flat``: the anchor (for the logged distance), the
+    linear term's coefficients (for the logged dot product and a moving pull), the pull
+    ``lr (strength anchor + linear)`` each step adds, the moving anchor and after which of the
+    ``real`` steps it moves, and the iterate sum's buffer."""
+    empty = flat.new_empty(0)
+
+    def flattened(table: Params | None) -> Tensor:
+        if table is None:
+            return empty
+        return torch.cat([_kernel_layout(plan, k, table[k]).reshape(-1) for k in order])
+
+    strength = float(form.strength) if form.anchor is not None else 0.0
+    anchor = flattened(form.anchor if strength != 0.0 else None)
+    linear = flattened(form.linear)
+    pull = anchor * (lr * strength) if anchor.numel() else empty
+    if linear.numel():
+        pull = linear * lr if not pull.numel() else pull.add_(linear, alpha=lr)
+    moves = (
+        [] if moving is None else [(moving.done + j + 1) % moving.every == 0 for j in range(real)]
+    )
+    return Pulls(
+        anchor if log_proximal else empty,  # only the logged distance reads it
+        linear if log_proximal or moving is not None else empty,  # the logged dot, a moving pull
+        pull,
+        empty if moving is None else anchor.clone(),
+        moves,
+        torch.zeros_like(flat) if sum_iterates else empty,
+    )
+
+
+def layer_arguments(
+    plan: tuple[Layer, ...], full: Params, trained: set[str]
+) -> tuple[list[str], list[list[int]], list[Tensor], list[Tensor], list[list[bool]]]:
+    """The kernel's per-layer arguments: kinds, integer settings, weights and biases (empty
+    where absent) and ``[has bias, weight trained, bias trained]``."""
+    empty = next(iter(full.values())).new_empty(0)
+    return (
+        [layer.kind for layer in plan],
+        [layer_settings(layer) for layer in plan],
+        [full.get(layer.weight, empty) for layer in plan],
+        [full.get(layer.bias, empty) for layer in plan],
+        [[layer.bias in full, layer.weight in trained, layer.bias in trained] for layer in plan],
+    )
+
+
+def kernel_feed(feed: StepInputs, label_mask: Tensor) -> dict[str, object]:
+    """The kernel's per-step inputs and label arguments (see :func:`_steps`), its alignment
+    term's aside."""
+    mask = label_mask > 0
+    return {
+        "inputs": feed.inputs,
+        "negative_target": list((-feed.target).unbind(0)),
+        "weight_rows": list(feed.weights.unsqueeze(1).unbind(0)),
+        "ones": feed.weights.new_ones(feed.weights.shape[1]),
+        "label_mask": mask.unsqueeze(1),
+        "masked": not bool(mask.all()),
+        "lowest_logit": torch.finfo(feed.target.dtype).min,
+    }
+
+
+def lowest_trained(plan: tuple[Layer, ...], params: Params) -> int:
+    """The first layer with a trained parameter (the backward pass stops there)."""
+    return min(i for i, layer in enumerate(plan) if set(layer_keys(layer, params)))
 
 
 class StepInputs(NamedTuple):
@@ -288,7 +340,12 @@ class StepInputs(NamedTuple):
 
 
 def step_inputs(
-    plan: tuple[Layer, ...], loss: ModelLoss, data: ClientData, batches: Tensor, batch_mask: Tensor
+    plan: tuple[Layer, ...],
+    loss: Objective,
+    form: FusedForm,
+    data: ClientData,
+    batches: Tensor,
+    batch_mask: Tensor,
 ) -> StepInputs:
     """The inputs of the steps ``batches`` / ``batch_mask`` (``[S, B]``, every step real),
     gathered once: each step's input, ``onehot(y)^T * mask / n`` ``[S, K, B]`` and ``mask / n``
@@ -297,8 +354,8 @@ def step_inputs(
     empty; with ``class_means``, ``n`` is the number of the row's class in its minibatch)."""
     plain_weights = batch_mask / batch_mask.sum(1, keepdim=True).clamp(min=1)  # [S, B]: mask / n_s
     weights = plain_weights
-    if loss.sample_weights is not None:  # [S, B]: w_idx * mask / n_s
-        weights = weights * loss.sample_weights[batches]
+    if form.sample_weights is not None:  # [S, B]: w_idx * mask / n_s
+        weights = weights * form.sample_weights[batches]
     convolutional = any(layer.kind == "conv" for layer in plan) and data.x.dim() == 4
     if batches.shape[-1] == data.x.shape[0]:  # full batch: every step is the whole local set
         inputs = [channels_last(data.x) if convolutional else data.x] * len(batches)
@@ -312,13 +369,13 @@ def step_inputs(
     target = F.one_hot(labels, classes).to(weights.dtype).transpose(1, 2)
     target = target * weights.unsqueeze(1)  # [S, K, B]: onehot(y) * mask / n_s
     centroid_targets = centroid_rows = weights.new_empty((len(batches), 0))
-    if loss.centroids is not None:
-        centroid_targets = loss.centroids[labels]  # [S, B, M]
-        if loss.class_means:  # [S, B]: mask / (rows of the row's class in its minibatch)
-            classes = torch.arange(len(loss.centroids), device=labels.device)
+    if form.centroids is not None:
+        centroid_targets = form.centroids[labels]  # [S, B, M]
+        if form.class_means:  # [S, B]: mask / (rows of the row's class in its minibatch)
+            classes = torch.arange(len(form.centroids), device=labels.device)
             rows = ((labels[..., None] == classes) * batch_mask[..., None]).sum(1).clamp(min=1)
             plain_weights = batch_mask / rows.gather(1, labels)
-        centroid_rows = (2 * loss.centroid_weights[labels] * plain_weights).unsqueeze(2)
+        centroid_rows = (2 * form.centroid_weights[labels] * plain_weights).unsqueeze(2)
     return StepInputs(inputs, target, weights, centroid_targets, centroid_rows)
 
 
@@ -382,9 +439,9 @@ def _steps(
     pull: Tensor,
     moving: Tensor,
     moves: list[bool],
+    iterates: Tensor,
     follow: float,
     pull_scale: float,
-    iterates: Tensor,
     inputs: list[Tensor],
     negative_target: list[Tensor],
     weight_rows: list[Tensor],

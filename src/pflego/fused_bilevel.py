@@ -1,26 +1,21 @@
-"""Fused steps of bi-level local updates: gradients taken at one point update another.
+"""The fused interpreter of step programs (:mod:`pflego.program`): gradients taken at one point
+update another, without autograd.
 
 A plain SGD step takes the gradient where it updates. APFL's step takes two gradients on the same
 minibatch, at the global copy w (updating w) and at the mixture ``alpha v + (1 - alpha) w``
 (updating v); Per-FedAvg's meta-step takes a gradient at w, steps to w', and updates w with the
-gradient at w'. :func:`fused_program` runs any sequence of such *substeps* (:class:`Substep`) on
-several points held as flat vectors, with the forward and backward passes of :mod:`pflego.fused_passes`
-(the update folded into the weight-gradient GEMM, no autograd, no graph), all in one TorchScript
-call, so a client's steps cost no Python per step.
-
-A substep first applies its ``mixes`` (``point[dst] <- point[start] + weight (point[end] -
-point[start])``, one pass over the parameters: mixtures of points, and copies with weight 0),
-then takes the loss's gradient ``g`` at point ``at`` on minibatch ``row`` of
-the client's schedule and updates point ``into`` by ``into <- shrink into - lr g``. The loss must
-be a :class:`~pflego.loss.ModelLoss` without regularizers; anything else returns ``None``, and the
-caller runs autograd.
+gradient at w'. :func:`fused_program` runs such a program's :class:`~pflego.program.Step` on
+several points held as flat vectors, with the forward and backward passes of
+:mod:`pflego.fused_passes` (the update folded into the weight-gradient GEMM, no autograd, no
+graph), all in one TorchScript call, so a client's steps cost no Python per step. The steps whose
+rows are empty are left out before the call. The loss must be an
+:class:`~pflego.loss.Objective` of the cross-entropy alone; anything else returns ``None``, and
+the caller runs the program with autograd.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,131 +23,118 @@ from torch import Tensor
 from pflego.fused import (
     all_plain,
     flat_views,
+    kernel_feed,
+    layer_arguments,
     layer_keys,
-    layer_settings,
+    lowest_trained,
     plain_plan,
     step_inputs,
     unflatten,
 )
 from pflego.fused_passes import backward_pass, compiled, forward_pass
-from pflego.loss import ModelLoss
+from pflego.loss import CrossEntropy, FusedForm, Objective
+from pflego.models import Layer
+from pflego.program import Outcome, Step, active_steps
 from pflego.tree import Params
 from pflego.types import ClientData
 
-#: ``(dst, start, end, weight)``: ``point[dst] <- point[start] + weight (point[end] -
-#: point[start])`` (weight 0: a copy of ``point[start]``).
-Mix = tuple[int, int, int, float]
-
-
-@dataclass(frozen=True)
-class Substep:
-    """One gradient step of a program (see the module's docstring).
-
-    Attributes:
-        at: The point the gradient is taken at.
-        into: The point it updates, ``into <- shrink into - lr g``.
-        lr: The step size.
-        shrink: The factor on ``into`` (weight decay: ``1 - lr decay``).
-        row: The row of the client's schedule (``data.batches``) whose minibatch it uses.
-        mixes: What happens to the points before the gradient is taken.
-        record: Whether to record ``||into||^2`` after the update (with ``shrink`` 0 and ``lr``
-            -1, the squared norm of the gradient: FedAS's Fisher trace).
-    """
-
-    at: int
-    into: int
-    lr: float
-    shrink: float
-    row: int
-    mixes: tuple[Mix, ...] = ()
-    record: bool = False
-
-
-class Program(NamedTuple):
-    """What :func:`fused_program` returns: the points after the substeps (new tensors), each
-    substep's cross-entropy at its point ``at`` on its minibatch before its update, and the
-    squared norms the substeps with ``record`` recorded, in order."""
-
-    points: list[Params]
-    values: Tensor
-    norms: list[Tensor]
+FORM = FusedForm(cross_entropy=True)
 
 
 def fused_program(
-    loss: object, points: Sequence[Params], data: ClientData, substeps: Sequence[Substep]
-) -> Program | None:
-    """The substeps on the points, or ``None`` when they do not fuse.
+    loss: object, points: Sequence[Params], data: ClientData, steps: Sequence[Step]
+) -> Outcome | None:
+    """The steps on the points, or ``None`` when they do not fuse.
 
-    Every point is keyed like the first, every key a trained parameter of ``loss``'s model; every
-    substep's row must be real (a padding row would change nothing anyway: leave it out).
+    Every point is keyed like the first, every key a trained parameter of ``loss``'s model.
 
     Returns:
-        A :class:`Program`.
+        An :class:`~pflego.program.Outcome`.
     """
-    if (
-        not isinstance(loss, ModelLoss)
-        or not loss.cross_entropy
-        or any(term is not None for term in (loss.anchor, loss.linear, loss.centroids))
-    ):
+    plan = program_plan(loss, points, data, steps)
+    if plan is None:
         return None
-    plan = plain_plan(loss, dict(points[0]), data)
+    runs = active_steps(data, steps).tolist()
+    kept = [s for s, on in zip(steps, runs, strict=True) if on]
+    values = data.batch_mask.new_zeros(len(steps))
+    norms = values.clone()
+    if not kept:
+        points = [{k: v.clone() for k, v in p.items()} for p in points]
+        return Outcome(points, values, values.new_tensor(runs), norms)
+    points, kept_values, recorded = _run(plan, loss, points, data, kept)
+    where = [j for j, on in enumerate(runs) if on]
+    values[where] = kept_values.to(values.dtype)
+    recording = [j for j, s in zip(where, kept, strict=True) if s.record]
+    if recording:
+        norms[recording] = torch.stack(recorded).to(norms.dtype)
+    return Outcome(points, values, values.new_tensor(runs), norms)
+
+
+def program_plan(
+    loss: object, points: Sequence[Params], data: ClientData, steps: Sequence[Step]
+) -> tuple[Layer, ...] | None:
+    """The layers the kernel runs the program on, or ``None`` where it does not fuse: another
+    loss than the plain cross-entropy, other layers, points keyed unlike the first, or tensors
+    tracked by autograd or wrapped by a ``torch.func`` transform."""
+    if not isinstance(loss, Objective) or loss.terms != (CrossEntropy(),) or not steps:
+        return None
+    plan = plain_plan(loss, FORM, dict(points[0]), data)
     if plan is None or any(set(p) != set(points[0]) for p in points):
         return None
-    if not all_plain([v for p in points for v in p.values()]) or not substeps:
+    weights = [w for s in steps for w in (s.lr, s.shrink, *(m[3] for m in s.mixes))]
+    tensors = [w for w in weights if isinstance(w, Tensor)]
+    if not all_plain([v for p in points for v in p.values()] + tensors):
         return None
-    rows = sorted({s.row for s in substeps})
+    return plan
+
+
+def _run(
+    plan: tuple[Layer, ...],
+    loss: Objective,
+    points: Sequence[Params],
+    data: ClientData,
+    steps: Sequence[Step],
+) -> tuple[list[Params], Tensor, list[Tensor]]:
+    """The kernel's call on the steps that run: the points after them, each step's
+    cross-entropy before its update and the recorded squared norms."""
+    rows = sorted({s.row for s in steps})
     position = {row: j for j, row in enumerate(rows)}
     index = torch.tensor(rows, dtype=torch.long)
-    feed = step_inputs(plan, loss, data, data.batches[index], data.batch_mask[index])
+    feed = step_inputs(plan, loss, FORM, data, data.batches[index], data.batch_mask[index])
     order = [k for layer in plan for k in layer_keys(layer, points[0])]
     flats, views = zip(*(flat_views(plan, order, p) for p in points), strict=True)
-    held = {k: v for k, v in loss.fixed.items()}
-    full = [{**held, **v} for v in views]
-    empty = data.x.new_empty(0)
-    label_mask = loss.label_mask > 0
-    trained = set(points[0])
+    layers = [layer_arguments(plan, {**loss.fixed, **v}, set(points[0])) for v in views]
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
         log_probs, norms = compiled(_program)(
-            [layer.kind for layer in plan],
-            [layer_settings(layer) for layer in plan],
-            [[f.get(layer.weight, empty) for layer in plan] for f in full],
-            [[f.get(layer.bias, empty) for layer in plan] for f in full],
-            [
-                [layer.bias in full[0], layer.weight in trained, layer.bias in trained]
-                for layer in plan
-            ],
+            *layers[0][:2],
+            [arguments[2] for arguments in layers],
+            [arguments[3] for arguments in layers],
+            layers[0][4],
             list(flats),
-            [[m[0] for m in s.mixes] for s in substeps],
-            [[m[1] for m in s.mixes] for s in substeps],
-            [[m[2] for m in s.mixes] for s in substeps],
-            [[float(m[3]) for m in s.mixes] for s in substeps],
-            [s.at for s in substeps],
-            [s.into for s in substeps],
-            [float(s.lr) for s in substeps],
-            [float(s.shrink) for s in substeps],
-            [position[s.row] for s in substeps],
-            [s.record for s in substeps],
-            feed.inputs,
-            list((-feed.target).unbind(0)),
-            list(feed.weights.unsqueeze(1).unbind(0)),
-            feed.weights.new_ones(feed.weights.shape[1]),
-            label_mask.unsqueeze(1),
-            not bool(label_mask.all()),
-            torch.finfo(feed.target.dtype).min,
-            min(i for i, layer in enumerate(plan) if set(layer_keys(layer, points[0]))),
+            *step_arguments(steps, position),
+            **kernel_feed(feed, loss.label_mask),
+            lowest=lowest_trained(plan, points[0]),
         )
-    targets = feed.target[[position[s.row] for s in substeps]]
+    targets = feed.target[[position[s.row] for s in steps]]
     values = -(torch.stack(log_probs) * targets).sum((1, 2))
     points = [unflatten(plan, flat, v) for flat, v in zip(flats, views, strict=True)]
-    return Program(points, values, norms)
+    return points, values, norms
 
 
-def real_rows(data: ClientData) -> list[int] | None:
-    """The rows of ``data``'s schedule that hold samples, or ``None`` when the schedule is
-    tracked by autograd or wrapped by a ``torch.func`` transform (nothing fuses there)."""
-    if not all_plain([data.batches, data.batch_mask]):
-        return None
-    return torch.nonzero(data.batch_mask.sum(-1) > 0).flatten().tolist()
+def step_arguments(steps: Sequence[Step], position: dict[int, int]) -> list[list]:
+    """The kernel's per-step arguments (see :func:`_program`): the mixes' destinations,
+    starts, ends and weights, then each step's ``at``, ``into``, step size, shrinkage, row of
+    the gathered minibatches and ``record``."""
+    mixes = [[(m[0], m[1], m[2], float(m[3])) for m in s.mixes] for s in steps]
+    return [
+        *([[m[j] for m in step] for step in mixes] for j in range(4)),
+        [s.at for s in steps],
+        [s.into for s in steps],
+        [float(s.lr) for s in steps],
+        [float(s.shrink) for s in steps],
+        [position[s.row] for s in steps],
+        [s.record for s in steps],
+    ]
 
 
 def _program(

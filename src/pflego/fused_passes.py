@@ -118,15 +118,10 @@ def backward_pass(
     head = len(kinds) - 1 if has_head else len(kinds)
     grad = feature_grad
     if has_head:
-        grad = grad_t
-        if head > lowest:
-            grad = torch.mm(grad_t.t(), params[head])  # before this step's update
-            if feature_grad.numel() > 0:
-                grad.add_(feature_grad)
-        if flags[head][1]:
-            targets[head].addmm_(grad_t, a, beta=shrink, alpha=-lr)
-        if flags[head][2]:
-            target_biases[head].addmv_(grad_t, ones, beta=shrink, alpha=-lr)
+        grad = _head_backward(
+            params[head], targets[head], target_biases[head], flags[head], a, grad_t,
+            feature_grad, ones, lr, shrink, head > lowest,
+        )  # fmt: skip
     for i in range(head - 1, lowest - 1, -1):
         kind, setting, keep, below = kinds[i], settings[i], saved[i], i > lowest
         if kind == "linear":
@@ -170,6 +165,34 @@ def backward_pass(
             grad = grad.reshape(shapes[i])
             if keep.dim() == 4 and keep.is_contiguous(memory_format=torch.channels_last):
                 grad = grad.contiguous(memory_format=torch.channels_last)  # as its input
+
+
+def _head_backward(
+    weight: Tensor,
+    target: Tensor,
+    target_bias: Tensor,
+    flags: list[bool],
+    a: Tensor,
+    grad_t: Tensor,
+    feature_grad: Tensor,
+    ones: Tensor,
+    lr: float,
+    shrink: float,
+    below: bool,
+) -> Tensor:
+    """The head's part of :func:`backward_pass`: its update from the gradient in the
+    transposed logits ``grad_t``, and the gradient in its input ``a`` (with ``feature_grad``
+    added) when a trained layer lies ``below``."""
+    grad = grad_t
+    if below:
+        grad = torch.mm(grad_t.t(), weight)  # before this step's update
+        if feature_grad.numel() > 0:
+            grad.add_(feature_grad)
+    if flags[1]:
+        target.addmm_(grad_t, a, beta=shrink, alpha=-lr)
+    if flags[2]:
+        target_bias.addmv_(grad_t, ones, beta=shrink, alpha=-lr)
+    return grad
 
 
 def _shrunk(p: Tensor, shrink: float) -> Tensor:

@@ -1,16 +1,16 @@
 """The one local training loop, shared by every algorithm.
 
 A loss is any function ``loss_fn(params, x, y, mask)``; ``train_steps`` differentiates it with
-``torch.func``. A :class:`~pflego.loss.ModelLoss` is such a function that also says what it computes (the
-model's masked cross-entropy plus an optional proximal and linear term), so that outside vmap,
-inside :func:`fused_steps`, plain SGD on it runs as fused steps without autograd
+``torch.func``. An :class:`~pflego.loss.Objective` is such a function that also says what it
+computes (a model's terms, each with its fused form), so that outside vmap, inside
+:func:`fused_steps`, plain SGD on it runs as fused steps without autograd
 (:mod:`pflego.fused`): the same numbers up to rounding, several times faster for small batches.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
@@ -20,8 +20,11 @@ from torch import Tensor
 from torch.func import grad_and_value
 
 from pflego import tree
-from pflego.loss import ModelLoss
+from pflego.fused import fused_sgd_steps
+from pflego.fused_bilevel import fused_program
+from pflego.loss import Objective
 from pflego.optim import Optimizer, OptState
+from pflego.program import Outcome, Step, autograd_program
 from pflego.tree import Params
 from pflego.types import ClientData
 
@@ -43,7 +46,7 @@ _fusion = threading.local()
 
 @contextmanager
 def fused_steps(enabled: bool = True) -> Iterator[StepCounts]:
-    """Within the block (this thread only), SGD on a :class:`ModelLoss` runs as fused steps.
+    """Within the block (this thread only), SGD on an :class:`~pflego.loss.Objective` runs as fused steps.
 
     Yields the block's :class:`StepCounts`.
     """
@@ -71,6 +74,21 @@ def fused_or_none(run: Callable[[], T | None]) -> T | None:
     return result
 
 
+def unfused() -> None:
+    """Inside :func:`fused_steps`, count a computation that has no fused form as autograd."""
+    fused_or_none(lambda: None)
+
+
+def run_program(
+    loss_fn: LossFn, points: Sequence[Params], data: ClientData, steps: Sequence[Step]
+) -> Outcome:
+    """A step program (:mod:`pflego.program`) on ``points``: inside :func:`fused_steps`, by the
+    fused kernel where it applies (:func:`~pflego.fused_bilevel.fused_program`), else by
+    autograd (:func:`~pflego.program.autograd_program`, the reference)."""
+    fused = fused_or_none(lambda: fused_program(loss_fn, points, data, steps))
+    return fused if fused is not None else autograd_program(loss_fn, points, data, steps)
+
+
 def train_steps(
     loss_fn: LossFn,
     params: Params,
@@ -86,7 +104,7 @@ def train_steps(
     ragged clients exact under vmap.
 
     Args:
-        loss_fn: ``loss_fn(params, x, y, mask)`` for one minibatch (a :class:`ModelLoss` may run
+        loss_fn: ``loss_fn(params, x, y, mask)`` for one minibatch (an :class:`~pflego.loss.Objective` may run
             as fused steps, see :func:`fused_steps`).
         params: The parameters being trained; anything fixed is closed over by ``loss_fn``.
         data: The client's data and minibatch schedule.
@@ -128,8 +146,6 @@ def _train(
     steps: slice,
     sum_iterates: bool,
 ) -> tuple[Params, OptState, Tensor, Params | None]:
-    from pflego.fused import fused_sgd_steps
-
     fused = fused_or_none(
         lambda: fused_sgd_steps(
             loss_fn, params, data, optimizer, lr, steps, sum_iterates, opt_state
@@ -141,7 +157,7 @@ def _train(
     # A schedule as wide as the local set is full batch: its rows are arange(n) wherever the mask
     # is 1, so the whole (padded) set is used as is instead of being gathered every step.
     whole_set = data.batches.shape[-1] == data.x.shape[0]
-    per_sample = isinstance(loss_fn, ModelLoss) and loss_fn.sample_weights is not None
+    per_sample = isinstance(loss_fn, Objective) and loss_fn.per_sample
     total, count = torch.zeros(()), torch.zeros(())
     iterates = {k: torch.zeros_like(v) for k, v in params.items()} if sum_iterates else None
     for idx, bmask in zip(data.batches[steps], data.batch_mask[steps]):

@@ -1,14 +1,19 @@
-"""The masked losses that local training runs on.
+"""The masked losses that local training runs on, as a model's objective made of terms.
 
-:class:`ModelLoss` is a model's masked cross-entropy with optional proximal and linear terms,
-declared by its fields, so that :mod:`pflego.fused` can run SGD on it without autograd and
-:mod:`pflego.local` can differentiate it with ``torch.func`` like any other loss.
+A loss is any function ``loss(params, x, y, mask)`` of one minibatch. :class:`Objective` is such a
+function that also says what it computes: a model (with parameters held ``fixed``) and a tuple of
+:class:`Term` (in the style of optax's ``chain``: :class:`CrossEntropy`, :class:`Proximal`,
+:class:`Linear`, :class:`Alignment`), each of which gives its value for autograd and, where it
+has one, its fused form (:meth:`Term.fused`, a part of the :class:`FusedForm` that
+:mod:`pflego.fused` runs without autograd). An algorithm declares its objective; an objective with
+a term that has no fused form is differentiated with ``torch.func`` like any other loss.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -37,80 +42,214 @@ def masked_cross_entropy(
     return (cross_entropies(logits, y, label_mask) * mask).sum() / mask.sum().clamp(min=1)
 
 
+class Batch(NamedTuple):
+    """What a term's value reads of one minibatch.
+
+    Attributes:
+        params: The trained parameters.
+        full: The trained and the fixed parameters together.
+        features: The model's features (the head's input) of the minibatch.
+        y: ``[n]`` labels.
+        mask: ``[n]``, 1 for the real rows.
+        count: The number of real rows (at least 1).
+        label_mask: ``[K]``, the logits the client's head really has.
+    """
+
+    params: Params
+    full: Params
+    features: Tensor
+    y: Tensor
+    mask: Tensor
+    count: Tensor
+    label_mask: Tensor
+
+
+class FusedForm(NamedTuple):
+    """What the fused kernel (:mod:`pflego.fused`) computes beside the model's layers: the terms'
+    fused forms merged (:meth:`Objective.fused_form`).
+
+    Attributes:
+        cross_entropy: Whether the loss has the masked cross-entropy of the head.
+        sample_weights: ``[N]``, a weight on each sample's cross-entropy, or ``None``.
+        anchor: The point of the proximal term ``strength / 2 ||p - anchor||^2``, or ``None``.
+        strength: Its weight.
+        linear: ``c`` of the linear term ``-<c, p>``, or ``None``.
+        centroids: ``[C, M]``, the points the features of each class are pulled to, or ``None``.
+        centroid_weights: ``[C]``, each class's weight in that term.
+        class_means: Whether that term averages each class's rows apart.
+    """
+
+    cross_entropy: bool = False
+    sample_weights: Tensor | None = None
+    anchor: Params | None = None
+    strength: float = 0.0
+    linear: Params | None = None
+    centroids: Tensor | None = None
+    centroid_weights: Tensor | None = None
+    class_means: bool = False
+
+
+class Term:
+    """One additive term of an :class:`Objective`."""
+
+    #: Whether the term reads the samples' own data (see :meth:`on_samples`).
+    per_sample: bool = False
+
+    def value(self, batch: Batch) -> Tensor:
+        """The term's value on a minibatch (differentiable)."""
+        raise NotImplementedError
+
+    def fused(self, form: FusedForm) -> FusedForm | None:
+        """``form`` with this term added, or ``None`` when the kernel cannot run it."""
+        return None
+
+    def on_samples(self, idx: Tensor) -> Term:
+        """The term on the minibatch of samples ``idx`` (default: itself)."""
+        return self
+
+
 @dataclass(frozen=True)
-class ModelLoss:
-    """A model's masked cross-entropy with optional regularizers, as a declared loss function.
+class CrossEntropy(Term):
+    """``sum_s w_s mask_s CE_s / sum_s mask_s``: the head's masked cross-entropy, with a weight
+    per sample (``weights``, ``[N]`` over the client's data: FedEM's responsibilities) or 1."""
 
-    ``loss(p, x, y, mask) = CE(forward({**fixed, **p}, x), y; mask, label_mask)
-    + strength / 2 * ||p - anchor||^2 - <linear, p> + alignment``
+    weights: Tensor | None = None
 
-    With ``sample_weights``, the cross-entropy is ``sum_s w_s mask_s CE_s / sum_s mask_s``.
-    With ``centroids``, the feature-alignment term (FedPAC's, FedProto's) is
-    ``sum_s mask_s centroid_weights[y_s] ||phi(x_s) - centroids[y_s]||^2 / sum_s mask_s``, with
-    ``phi`` the model's features (the head's input); with ``class_means``, each row's term is
-    divided by the number of rows of its class in the minibatch instead (FedAS's sum over the
-    classes of their means). Without ``cross_entropy``, the loss is its other terms only.
+    @property
+    def per_sample(self) -> bool:
+        return self.weights is not None
 
-    Called like any loss function (``train_steps`` differentiates it with ``torch.func``); its
-    fields let :mod:`pflego.fused` run SGD on it without autograd.
+    def value(self, batch: Batch) -> Tensor:
+        weights = batch.mask if self.weights is None else batch.mask * self.weights
+        logits = head_logits(batch.full, batch.features)
+        return (cross_entropies(logits, batch.y, batch.label_mask) * weights).sum() / batch.count
+
+    def fused(self, form: FusedForm) -> FusedForm | None:
+        if form.cross_entropy:
+            return None
+        return form._replace(cross_entropy=True, sample_weights=self.weights)
+
+    def on_samples(self, idx: Tensor) -> Term:
+        return self if self.weights is None else CrossEntropy(self.weights[idx])
+
+
+@dataclass(frozen=True)
+class Proximal(Term):
+    """``strength / 2 ||p - anchor||^2`` (``anchor`` keyed like the trained parameters)."""
+
+    anchor: Params
+    strength: float
+
+    def value(self, batch: Batch) -> Tensor:
+        return self.strength / 2 * tree.sq_norm(tree.sub(batch.params, self.anchor))
+
+    def fused(self, form: FusedForm) -> FusedForm | None:
+        if form.anchor is not None:
+            return None
+        return form._replace(anchor=self.anchor, strength=self.strength)
+
+
+@dataclass(frozen=True)
+class Linear(Term):
+    """``-<coefficients, p>`` (``coefficients`` keyed like the trained parameters)."""
+
+    coefficients: Params
+
+    def value(self, batch: Batch) -> Tensor:
+        return -tree.dot(self.coefficients, batch.params)
+
+    def fused(self, form: FusedForm) -> FusedForm | None:
+        if form.linear is not None:
+            return None
+        return form._replace(linear=self.coefficients)
+
+
+@dataclass(frozen=True)
+class Alignment(Term):
+    """The features' pull to their class's centroid:
+    ``sum_s mask_s weights[y_s] ||phi(x_s) - centroids[y_s]||^2 / sum_s mask_s``, with ``phi``
+    the model's features; with ``class_means``, each row's part is divided by the number of rows
+    of its class in the minibatch instead (a sum over the classes of their means).
+
+    Attributes:
+        centroids: ``[C, M]``.
+        weights: ``[C]``, each class's weight.
+        class_means: Whether each class's rows are averaged apart.
+    """
+
+    centroids: Tensor
+    weights: Tensor
+    class_means: bool = False
+
+    def value(self, batch: Batch) -> Tensor:
+        y, mask = batch.y, batch.mask
+        gaps = ((batch.features - self.centroids[y]) ** 2).sum(-1) * self.weights[y] * mask
+        if not self.class_means:
+            return gaps.sum() / batch.count
+        classes = torch.arange(len(self.centroids), device=y.device)
+        rows = ((y[:, None] == classes) * mask[:, None]).sum(0).clamp(min=1)
+        return (gaps / rows[y]).sum()
+
+    def fused(self, form: FusedForm) -> FusedForm | None:
+        if form.centroids is not None:
+            return None
+        return form._replace(
+            centroids=self.centroids, centroid_weights=self.weights, class_means=self.class_means
+        )
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A model's local objective: the sum of its terms, as a loss function.
+
+    ``objective(p, x, y, mask) = sum_t term_t(forward({**fixed, **p}, x), ...)``, called like any
+    loss function (``train_steps`` differentiates it with ``torch.func``); its terms' fused forms
+    let :mod:`pflego.fused` run SGD on it without autograd.
 
     Attributes:
         model: The split model, or ``None`` for a bare linear head on precomputed features
             (``p`` and ``fixed`` then hold ``head.weight`` and ``head.bias``).
         label_mask: ``[K]``, the logits the client's head really has.
         fixed: Parameters held fixed (the rest of the model).
-        anchor: The point of the proximal term (FedProx, Ditto, pFedMe, FedDyn), keyed like ``p``.
-        strength: The proximal term's weight (``lambda``, ``mu``, ``alpha``).
-        linear: The linear term's coefficients (FedDyn's ``grad L_k``), keyed like ``p``.
-        sample_weights: ``[n]``, a weight per sample of the client's data (FedEM's
-            responsibilities), or ``None``. ``train_steps`` calls the loss on a minibatch
-            ``idx`` as :meth:`on_samples` ``(idx)``, whose weights are the batch's.
-        centroids: ``[C, M]``, the point each class's features are pulled to, or ``None``.
-        centroid_weights: ``[C]``, each class's weight in the alignment term (with
-            ``centroids``; FedPAC's ``lambda / M`` for its mean over the M features).
-        class_means: Whether the alignment term is a sum over the minibatch's classes of their
-            rows' means (else the mean over its rows).
-        cross_entropy: Whether the loss has the cross-entropy term (without it, the head is
-            neither read nor trained).
+        terms: The terms, added in this order (without :class:`CrossEntropy`, the head is neither
+            read nor trained).
     """
 
     model: SplitModel | None
     label_mask: Tensor
     fixed: Params = field(default_factory=dict)
-    anchor: Params | None = None
-    strength: float = 0.0
-    linear: Params | None = None
-    sample_weights: Tensor | None = None
-    centroids: Tensor | None = None
-    centroid_weights: Tensor | None = None
-    class_means: bool = False
-    cross_entropy: bool = True
+    terms: tuple[Term, ...] = (CrossEntropy(),)
 
-    def on_samples(self, idx: Tensor) -> ModelLoss:
-        """The loss on the minibatch of samples ``idx``: its sample weights are theirs."""
-        if self.sample_weights is None:
+    @property
+    def per_sample(self) -> bool:
+        """Whether a term reads the samples' own data (see :meth:`on_samples`)."""
+        return any(term.per_sample for term in self.terms)
+
+    @property
+    def cross_entropy(self) -> bool:
+        """Whether the objective has the head's cross-entropy."""
+        return any(isinstance(term, CrossEntropy) for term in self.terms)
+
+    def on_samples(self, idx: Tensor) -> Objective:
+        """The objective on the minibatch of samples ``idx`` (its terms' parts of them)."""
+        if not self.per_sample:
             return self
-        return dataclasses.replace(self, sample_weights=self.sample_weights[idx])
+        return dataclasses.replace(self, terms=tuple(t.on_samples(idx) for t in self.terms))
+
+    def fused_form(self) -> FusedForm | None:
+        """The terms' fused forms merged, or ``None`` when one has none."""
+        form: FusedForm | None = FusedForm()
+        for term in self.terms:
+            form = term.fused(form)
+            if form is None:
+                return None
+        return form
 
     def __call__(self, params: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
         full = {**self.fixed, **params}
         features = x if self.model is None else self.model.features(full, x)
-        count = mask.sum().clamp(min=1)
+        batch = Batch(params, full, features, y, mask, mask.sum().clamp(min=1), self.label_mask)
         value = features.new_zeros(())
-        if self.cross_entropy:
-            weights = mask if self.sample_weights is None else mask * self.sample_weights
-            logits = head_logits(full, features)
-            value = (cross_entropies(logits, y, self.label_mask) * weights).sum() / count
-        if self.centroids is not None:
-            gaps = ((features - self.centroids[y]) ** 2).sum(-1) * self.centroid_weights[y] * mask
-            if self.class_means:  # each row over its class's rows in the minibatch
-                classes = torch.arange(len(self.centroids), device=y.device)
-                rows = ((y[:, None] == classes) * mask[:, None]).sum(0).clamp(min=1)
-                value = value + (gaps / rows[y]).sum()
-            else:
-                value = value + gaps.sum() / count
-        if self.anchor is not None:
-            value = value + self.strength / 2 * tree.sq_norm(tree.sub(params, self.anchor))
-        if self.linear is not None:
-            value = value - tree.dot(self.linear, params)
+        for term in self.terms:
+            value = value + term.value(batch)
         return value

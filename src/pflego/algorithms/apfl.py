@@ -60,10 +60,9 @@ from torch import Tensor
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.fields import between, one_of, setting
-from pflego.fused_bilevel import Substep, fused_program, real_rows
-from pflego.local import fused_or_none, train_steps
-from pflego.loss import ModelLoss
+from pflego.local import run_program, train_steps
 from pflego.optim import SGD, Optimizer, OptState
+from pflego.program import Step
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext
 
@@ -191,17 +190,17 @@ class APFL(Algorithm):
             v = tree.strip_prefix("v.", params)
             once = self.first_step_alpha(downlink, v, alpha, data, ctx.client_lr)
         optimizer = self.local_optimizer()
-        fused = None
-        if not per_step:  # alpha_i fixed within each step: the steps may run fused
-            fused = fused_or_none(
-                lambda: self.fused_steps(params, alpha, once, optimizer, data, ctx.client_lr)
-            )
-        if fused is not None:
-            params, mean_loss = fused
-        else:
+        if per_step or type(optimizer) is not SGD:  # alpha_i a parameter, or a stateful optimizer
             params, mean_loss = self.autograd_steps(
                 objective, params, alpha, once, optimizer, data, ctx.client_lr
             )
+        else:  # SGD with alpha_i fixed within each step: a step program (fused where it can)
+            w, v = tree.strip_prefix("w.", params), tree.strip_prefix("v.", params)
+            steps = self.program(alpha, once, data, ctx.client_lr, optimizer.weight_decay)
+            outcome = run_program(self.model_objective(data.label_mask), [w, v, v], data, steps)
+            w, v, _ = outcome.points
+            params = {**tree.add_prefix("w.", w), **tree.add_prefix("v.", v)}
+            mean_loss = outcome.mean_value(stride=2)
         new_state = {
             **tree.add_prefix("v.", tree.strip_prefix("v.", params)),
             "alpha": params["alpha"] if per_step else (alpha if once is None else once),
@@ -229,39 +228,22 @@ class APFL(Algorithm):
             total, count = total + loss, count + real.to(count.dtype)
         return params, total / count.clamp(min=1)
 
-    def fused_steps(
-        self,
-        params: Params,
-        alpha: Tensor,
-        once: Tensor | None,
-        optimizer: Optimizer,
-        data: ClientData,
-        lr: float,
-    ) -> tuple[Params, Tensor] | None:
-        """The round's local steps as one fused program, or ``None`` where they do not fuse
-        (another optimizer or loss): per real step, w's SGD step at w and v's at the mixture
-        v-bar of the step's starting point, whose gradient in v is ``alpha grad f_i(v-bar)``
-        (alpha_i: the old one at the first real step, ``once`` after it, when given)."""
-        rows = real_rows(data)
-        if type(optimizer) is not SGD or type(self).loss is not Algorithm.loss or rows is None:
-            return None
-        w, v = tree.strip_prefix("w.", params), tree.strip_prefix("v.", params)
-        if not rows:
-            return {k: t.clone() for k, t in params.items()}, torch.zeros(())
-        lr, shrink = float(lr), 1 - float(lr) * optimizer.weight_decay
-        later = float(alpha if once is None else once)
-        substeps = []
-        for k, row in enumerate(rows):  # points: 0 is w, 1 is v, 2 is v-bar
-            a = float(alpha) if k == 0 else later
+    def program(
+        self, alpha: Tensor, once: Tensor | None, data: ClientData, lr: float, decay: float
+    ) -> list[Step]:
+        """The round's SGD steps with alpha_i fixed within each step, on the points w (0), v (1)
+        and v-bar (2): per step, w's step at w and v's at the mixture v-bar of the step's
+        starting point, whose gradient in v is ``a grad f_i(v-bar)``, with ``a`` the old alpha_i
+        until the first real step and ``once`` (when given) after it."""
+        real = (data.batch_mask.sum(-1) > 0).to(alpha.dtype)
+        before = torch.cumsum(real, 0) - real  # the real steps before each
+        weights = alpha.expand_as(real) if once is None else torch.where(before > 0, once, alpha)
+        shrink = 1 - lr * decay
+        steps = []
+        for row, (a, step) in enumerate(zip(weights.unbind(0), (lr * weights).unbind(0))):
             mix = ((2, 0, 1, a),)  # v-bar <- w + a (v - w)
-            substeps += [Substep(0, 0, lr, shrink, row, mix), Substep(2, 1, lr * a, shrink, row)]
-        loss = ModelLoss(self.model, data.label_mask)
-        fused = fused_program(loss, [w, v, v], data, substeps)
-        if fused is None:
-            return None
-        (w, v, _), values = fused.points, fused.values
-        trained = {**tree.add_prefix("w.", w), **tree.add_prefix("v.", v)}
-        return trained, values.reshape(-1, 2).sum(1).mean()
+            steps += [Step(0, 0, lr, shrink, row, mix), Step(2, 1, step, shrink, row)]
+        return steps
 
     def population_metrics(self, server, states):
         """alpha_i over the clients that have trained: ``alpha_mean``, ``alpha_min``, ``alpha_max``

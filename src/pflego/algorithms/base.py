@@ -20,8 +20,8 @@ from pflego import tree
 from pflego.config import Config
 from pflego.errors import ConfigError
 from pflego.fields import check_fields, check_value, rule_of
-from pflego.local import train_steps
-from pflego.loss import ModelLoss, masked_cross_entropy
+from pflego.local import LossFn, train_steps
+from pflego.loss import Objective, masked_cross_entropy
 from pflego.models import SplitModel, head_logits, init_head
 from pflego.optim import SGD, Optimizer, Proximal
 from pflego.tree import Params
@@ -285,6 +285,15 @@ class Algorithm:
 
     # --- helpers shared by the weight-averaging methods -----------------------------------------
 
+    # A subclass that writes its own ``loss`` / ``head_loss`` declares no objective: its steps
+    # differentiate that function.
+    _own_loss = _own_head_loss = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._own_loss = cls._own_loss or "loss" in vars(cls)
+        cls._own_head_loss = cls._own_head_loss or "head_loss" in vars(cls)
+
     def loss(
         self, params: Params, x: Tensor, y: Tensor, mask: Tensor, label_mask: Tensor
     ) -> Tensor:
@@ -296,6 +305,22 @@ class Algorithm:
     ) -> Tensor:
         """Masked cross-entropy of a head on precomputed features."""
         return masked_cross_entropy(head_logits(head, features), y, mask, label_mask)
+
+    def model_objective(self, label_mask: Tensor, fixed: Params | None = None) -> LossFn:
+        """``loss`` on a client's minibatch with ``fixed`` parameters held, as its declared
+        :class:`~pflego.loss.Objective` (the model's cross-entropy, whose steps may run fused),
+        or, where a subclass writes its own ``loss``, as a function of that."""
+        held = fixed or {}
+        if not self._own_loss:
+            return Objective(self.model, label_mask, held)
+        return lambda p, x, y, m: self.loss({**held, **p}, x, y, m, label_mask)
+
+    def head_objective(self, label_mask: Tensor) -> LossFn:
+        """``head_loss`` as a loss of the head on precomputed features (see
+        :meth:`model_objective`)."""
+        if not self._own_head_loss:
+            return Objective(None, label_mask)
+        return lambda h, f, y, m: self.head_loss(h, f, y, m, label_mask)
 
     def train(
         self,
@@ -316,14 +341,7 @@ class Algorithm:
         mean loss over the real steps; the terms' values are left out of it, so a fused step
         does not compute ``||params - anchor||^2`` at every step.
         """
-        held = fixed or {}
-        if type(self).loss is Algorithm.loss:  # declared, so that SGD on it may run fused
-            loss = ModelLoss(self.model, data.label_mask, held)
-        else:
-
-            def loss(p: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
-                return self.loss({**held, **p}, x, y, mask, data.label_mask)
-
+        loss = self.model_objective(data.label_mask, fixed)
         opt = self.client_optimizer
         if anchor is not None and (strength != 0 or linear is not None):
             opt = Proximal(opt, strength, anchor, linear=linear)
@@ -336,10 +354,7 @@ class Algorithm:
         """Head-only local steps with the body fixed: its features are computed once and reused
         (``body`` may hold more than the body's entries)."""
         features = self.model.features(body, data.x).detach()
-        if type(self).head_loss is Algorithm.head_loss:  # declared: SGD on it may run fused
-            loss = ModelLoss(None, data.label_mask)
-        else:
-            loss = lambda h, f, y, m: self.head_loss(h, f, y, m, data.label_mask)  # noqa: E731
+        loss = self.head_objective(data.label_mask)
         opt = self.client_optimizer
         trained, _, _ = train_steps(
             loss, head, data._replace(x=features), opt, opt.init(head), ctx.client_lr

@@ -56,15 +56,14 @@ from typing import ClassVar
 
 import torch
 from torch import Tensor
-from torch.func import grad
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.fields import non_negative, positive, setting
-from pflego.fused_bilevel import Substep, fused_program, real_rows
-from pflego.local import fused_or_none, train_steps
-from pflego.loss import ModelLoss, masked_cross_entropy
+from pflego.local import run_program, train_steps
+from pflego.loss import Alignment, Objective
 from pflego.optim import SGD
+from pflego.program import Step
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext, Schedule
 
@@ -121,45 +120,21 @@ class FedAS(Algorithm):
         onehot = self.one_hot(data.y, features.dtype) * data.mask[:, None]
         return (onehot.T @ features) / onehot.sum(0).clamp(min=1)[:, None]
 
-    def alignment_loss(self, prototypes: Tensor, label_mask: Tensor) -> ModelLoss:
+    def alignment_loss(self, prototypes: Tensor, label_mask: Tensor) -> Objective:
         """sum over the batch's classes of MSE(phi(x_{y=c}), P_c) (the mean over the class's
         rows and the M features), declared so that its SGD steps may run fused."""
         weights = prototypes.new_full((len(prototypes),), 1 / prototypes.shape[-1])
-        return ModelLoss(
-            self.model,
-            label_mask,
-            centroids=prototypes,
-            centroid_weights=weights,
-            class_means=True,
-            cross_entropy=False,
-        )
+        terms = (Alignment(prototypes, weights, class_means=True),)
+        return Objective(self.model, label_mask, terms=terms)
 
     def fisher_trace(self, params: Params, data: ClientData) -> Tensor:
-        """sum over the batches of ||grad mean-NLL(batch)||^2, all parameters (inside
-        :func:`~pflego.local.fused_steps`, the batches' gradients as one fused program)."""
-        fused = fused_or_none(lambda: self.fused_fisher_trace(params, data))
-        if fused is not None:
-            return fused
-        nll = lambda p, x, y, m: masked_cross_entropy(self.model.forward(p, x), y, m)  # noqa: E731
-        total = torch.zeros((), dtype=next(iter(params.values())).dtype)
-        for idx, bmask in zip(data.batches, data.batch_mask, strict=True):
-            g = grad(nll)(params, data.x[idx], data.y[idx], bmask)
-            total = total + torch.where(bmask.sum() > 0, tree.sq_norm(g), 0.0)
-        return total
-
-    def fused_fisher_trace(self, params: Params, data: ClientData) -> Tensor | None:
-        """:meth:`fisher_trace` by fused substeps, each writing one real batch's gradient into
-        the same second point (``g <- 0 g - (-1) grad``) and recording its squared norm, or
-        ``None`` where they do not fuse."""
-        rows = real_rows(data)
-        if not rows:
-            return None
+        """sum over the batches of ||grad mean-NLL(batch)||^2, all parameters: a step program
+        writing each batch's gradient into a second point (``g <- 0 g - (-1) grad``) and
+        recording its squared norm."""
         head = params["head.weight"]
-        every_logit = head.new_ones(head.shape[0])  # the NLL of the whole head
-        substeps = [Substep(0, 1, -1.0, 0.0, row, record=True) for row in rows]
-        points = [params, tree.zeros_like(params)]
-        fused = fused_program(ModelLoss(self.model, every_logit), points, data, substeps)
-        return None if fused is None else torch.stack(fused.norms).sum()
+        nll = Objective(self.model, head.new_ones(head.shape[0]))  # the NLL of the whole head
+        steps = [Step(0, 1, -1.0, 0.0, row, record=True) for row in range(data.batches.shape[0])]
+        return run_program(nll, [params, tree.zeros_like(params)], data, steps).norms.sum()
 
     def local_round(self, downlink, state, data: ClientData, ctx: RoundContext):
         """Alignment of phi^t, then the cross-entropy steps; returns theta_i and the mean loss."""

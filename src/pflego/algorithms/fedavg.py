@@ -21,7 +21,7 @@ from typing import ClassVar
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.local import train_steps
-from pflego.loss import ModelLoss
+from pflego.loss import Objective
 from pflego.types import ClientData, ClientOut, RoundContext
 
 
@@ -33,7 +33,7 @@ class FedAvg(Algorithm):
 
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
         trained, _, mean_loss = train_steps(
-            ModelLoss(self.model, data.label_mask, fixed=state),
+            Objective(self.model, data.label_mask, fixed=state),
             downlink,
             data,
             self.client_optimizer,

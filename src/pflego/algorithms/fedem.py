@@ -51,7 +51,7 @@ from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.fields import at_least, setting
 from pflego.local import train_steps
-from pflego.loss import ModelLoss, cross_entropies
+from pflego.loss import CrossEntropy, Objective, cross_entropies
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, Schedule
 
@@ -110,7 +110,8 @@ class FedEM(Algorithm):
         trained, total = [], torch.zeros(())
         for m in range(self.components):
             theta = {k: v[m] for k, v in components.items()}
-            loss = ModelLoss(self.model, data.label_mask, sample_weights=responsibilities[m])
+            terms = (CrossEntropy(responsibilities[m]),)
+            loss = Objective(self.model, data.label_mask, terms=terms)
             theta, _, mean_loss = train_steps(
                 loss, theta, data, opt, opt.init(theta), ctx.client_lr
             )

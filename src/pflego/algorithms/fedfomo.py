@@ -62,7 +62,7 @@ from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.fields import at_least, between, non_negative, setting
 from pflego.local import train_steps
-from pflego.loss import ModelLoss
+from pflego.loss import Objective
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext
 
@@ -181,7 +181,7 @@ class FedFomo(Algorithm):
         """Local training of the whole model on the training split."""
         opt = self.client_optimizer
         trained, _, mean_loss = train_steps(
-            ModelLoss(self.model, data.label_mask),
+            Objective(self.model, data.label_mask),
             params,
             data,
             opt,

@@ -78,7 +78,7 @@ from pflego.algorithms.fedproto import (
 )
 from pflego.fields import non_negative, positive_or_unset, setting
 from pflego.local import train_steps
-from pflego.loss import ModelLoss
+from pflego.loss import Alignment, CrossEntropy, Objective
 from pflego.models import init_head
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, Schedule, ServerState
@@ -262,13 +262,8 @@ class FedPAC(FixedHead):
         targets = torch.where(present[:, None] > 0, downlink[MEAN], local_means)
         active = present.max().expand_as(present)  # no alignment before any global prototype
         # CE + lam (1/n) sum_s mean_m (z_s - c_{y_s})_m^2: declared, so its SGD steps may fuse
-        loss = ModelLoss(
-            self.model,
-            data.label_mask,
-            fixed=head,
-            centroids=targets,
-            centroid_weights=active * (self.lam / targets.shape[-1]),
-        )
+        alignment = Alignment(targets, active * (self.lam / targets.shape[-1]))
+        loss = Objective(self.model, data.label_mask, head, (CrossEntropy(), alignment))
         opt = self.client_optimizer
         trained, _, mean_loss = train_steps(
             loss, body, data.using("body"), opt, opt.init(body), ctx.client_lr

@@ -20,7 +20,7 @@ from typing import ClassVar
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.local import train_steps
-from pflego.loss import ModelLoss
+from pflego.loss import Objective
 from pflego.types import ClientData, ClientOut, RoundContext
 
 
@@ -35,7 +35,7 @@ class FedPer(Algorithm):
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
         params = {**downlink, **state}
         trained, _, mean_loss = train_steps(
-            ModelLoss(self.model, data.label_mask),
+            Objective(self.model, data.label_mask),
             params,
             data,
             self.client_optimizer,

@@ -60,7 +60,7 @@ from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.fields import non_negative, one_of, setting
 from pflego.local import train_steps
-from pflego.loss import ModelLoss
+from pflego.loss import Alignment, CrossEntropy, Objective
 from pflego.models import SplitModel, init_head
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, ServerState
@@ -154,12 +154,13 @@ class FedProto(Algorithm):
         """The client's own model starts as w^0."""
         return {k: v.clone() for k, v in tree.select(downlink, MODEL).items()}
 
-    def local_objective(self, targets: Tensor, present: Tensor, label_mask: Tensor) -> ModelLoss:
+    def local_objective(self, targets: Tensor, present: Tensor, label_mask: Tensor) -> Objective:
         """``CE + lam * R(f(x), C_bar^(y))`` on a batch (Eq. 8), with ``R`` the authors'
         ``MSELoss`` (the squared distance averaged over the M features) and no term for a sample
         whose class has no prototype, declared so that its SGD steps may run fused."""
         weights = present * (self.lam / targets.shape[-1])  # R is a mean over the M features
-        return ModelLoss(self.model, label_mask, centroids=targets, centroid_weights=weights)
+        terms = (CrossEntropy(), Alignment(targets, weights))
+        return Objective(self.model, label_mask, terms=terms)
 
     def train_local(self, downlink: Params, state: ClientState, data: ClientData, ctx):
         loss = self.local_objective(downlink[MEAN], downlink[PRESENT], data.label_mask)

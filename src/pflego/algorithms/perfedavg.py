@@ -48,6 +48,7 @@ Hessian-vector product and an l2 term take autograd.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -58,9 +59,9 @@ from torch.func import grad, grad_and_value, jvp
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.fields import one_of, positive, setting
-from pflego.fused_bilevel import Substep, fused_program, real_rows
-from pflego.local import fused_or_none
-from pflego.loss import ModelLoss
+from pflego.local import LossFn, run_program, unfused
+from pflego.loss import Objective, Proximal
+from pflego.program import Step
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext, Schedule
 
@@ -101,11 +102,18 @@ class PerFedAvg(Algorithm):
     def batches_per_step(self) -> int:
         return 3 if self.variant == "hf" else 2
 
-    def objective(self, params: Params, x: Tensor, y: Tensor, mask: Tensor, label_mask) -> Tensor:
-        """f on a minibatch: mean cross-entropy plus the optimizer's l2 term, if any."""
+    def objective(self, w: Params, label_mask: Tensor) -> LossFn:
+        """f on a minibatch: the model's loss plus the optimizer's l2 term, if any (a proximal
+        term around 0)."""
         decay = getattr(self.client_optimizer, "weight_decay", 0.0)
-        loss = self.loss(params, x, y, mask, label_mask)
-        return loss + 0.5 * decay * tree.sq_norm(params) if decay else loss
+        loss = self.model_objective(label_mask)
+        if not decay:
+            return loss
+        if isinstance(loss, Objective):
+            return dataclasses.replace(
+                loss, terms=(*loss.terms, Proximal(tree.zeros_like(w), decay))
+            )
+        return lambda p, x, y, m: loss(p, x, y, m) + 0.5 * decay * tree.sq_norm(p)
 
     def schedules(self, run: Schedule) -> dict[str, Schedule]:
         """R groups of 2 (FO) or 3 (HF) fresh minibatches."""
@@ -118,111 +126,78 @@ class PerFedAvg(Algorithm):
 
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
         meta = data.using("meta")
-        fused = fused_or_none(lambda: self.fused_steps(downlink, meta, ctx.client_lr))
-        w, mean_loss = fused if fused is not None else self.autograd_steps(downlink, meta, ctx)
+        if self.variant == "hf":
+            w, mean_loss = self.hessian_steps(downlink, meta, ctx)
+        else:
+            steps = self.meta_steps(meta, ctx.client_lr)
+            points = [downlink] if self.variant == "code" else [downlink, downlink]
+            outcome = run_program(self.objective(downlink, meta.label_mask), points, meta, steps)
+            w, mean_loss = outcome.points[0], outcome.mean_value(stride=2, summed=False)
         weight = (
             data.num_samples if self.weights == "samples" else torch.ones_like(data.num_samples)
         )
         out = ClientOut(tree.sub(downlink, w), weight, {"loss": mean_loss})
         return out, state
 
-    def autograd_steps(self, downlink: Params, meta: ClientData, ctx: RoundContext):
-        """The R meta-steps from ``downlink`` with autograd: the trained w and the mean of
-        f(w; D) over the real steps."""
-        batches, masks = (
-            grouped(meta.batches, self.batches_per_step),
-            grouped(meta.batch_mask, self.batches_per_step),
-        )
-        f = lambda p, b: self.objective(p, *minibatch(meta, b), meta.label_mask)  # noqa: E731
+    def groups(self, rows: int) -> list[list[int]]:
+        """The schedule's rows in groups of ``batches_per_step``, aligned at the end (a group
+        with padding rows in front is left out; see :func:`grouped`)."""
+        size = self.batches_per_step
+        pad = -rows % size
+        groups = [[g * size + k - pad for k in range(size)] for g in range((rows + pad) // size)]
+        return [group for group in groups if group[0] >= 0]
+
+    def meta_steps(self, meta: ClientData, beta: float) -> list[Step]:
+        """The FO (or ``code``) meta-steps as a step program: per group of two minibatches, a
+        step of alpha from a copy w' (point 1) of w (point 0; ``code``: from w itself), and a
+        step of beta on w with the gradient at w'; a group with an empty minibatch changes
+        nothing."""
+        steps = []
+        for first, second in self.groups(meta.batches.shape[0]):
+            gate = (first, second)
+            if self.variant == "code":
+                steps += [
+                    Step(0, 0, self.alpha, 1.0, first, gate=gate),
+                    Step(0, 0, beta, 1.0, second, gate=gate),
+                ]
+            else:
+                copy = ((1, 0, 0, 0.0),)  # w' <- w
+                steps += [
+                    Step(1, 1, self.alpha, 1.0, first, copy, gate=gate),
+                    Step(1, 0, beta, 1.0, second, gate=gate),
+                ]
+        return steps
+
+    def hessian_steps(self, downlink: Params, meta: ClientData, ctx: RoundContext):
+        """The R HF meta-steps from ``downlink`` (their Hessian-vector products have no fused
+        form): the trained w and the mean of f(w; D) over the real steps."""
+        unfused()
+        batches, masks = grouped(meta.batches, 3), grouped(meta.batch_mask, 3)
+        loss = self.objective(downlink, meta.label_mask)
+        f = lambda p, b: loss(p, *minibatch(meta, b))  # noqa: E731
         w = dict(downlink)
         total, count = torch.zeros(()), torch.zeros(())
         for group, group_mask in zip(batches, masks):
-            steps = [(group[k], group_mask[k]) for k in range(self.batches_per_step)]
-            g_inner, loss = grad_and_value(f)(w, steps[0])
+            steps = [(group[k], group_mask[k]) for k in range(3)]
+            g_inner, value = grad_and_value(f)(w, steps[0])
             adapted = tree.axpy(-self.alpha, g_inner, w)
             direction = grad(f)(adapted, steps[1])
-            if self.variant == "hf":  # (I - alpha H(w; D'')) g, with H g forward-over-reverse
-                gradient_on_third = lambda p, b=steps[2]: grad(f)(p, b)  # noqa: E731
-                _, hessian_g = jvp(gradient_on_third, (w,), (direction,))
-                direction = tree.axpy(-self.alpha, hessian_g, direction)
-            start = adapted if self.variant == "code" else w  # "code": two plain SGD steps
+            # (I - alpha H(w; D'')) g, with H g forward-over-reverse
+            gradient_on_third = lambda p, b=steps[2]: grad(f)(p, b)  # noqa: E731
+            _, hessian_g = jvp(gradient_on_third, (w,), (direction,))
+            direction = tree.axpy(-self.alpha, hessian_g, direction)
             active = (group_mask.sum(-1) > 0).all()  # padding groups change nothing
-            w = tree.where(active, tree.axpy(-ctx.client_lr, direction, start), w)
-            total = total + torch.where(active, loss.detach(), 0.0)
+            w = tree.where(active, tree.axpy(-ctx.client_lr, direction, w), w)
+            total = total + torch.where(active, value.detach(), 0.0)
             count = count + active.to(count.dtype)
         return w, total / count.clamp(min=1)
 
-    def fused_steps(
-        self, downlink: Params, meta: ClientData, lr: float
-    ) -> tuple[Params, Tensor] | None:
-        """The FO (or ``code``) meta-steps as one fused program, or ``None`` where they do not
-        fuse (HF's Hessian-vector product, weight decay, another loss): per group of two real
-        minibatches, a step of alpha from a copy w' of w (``code``: from w itself), and a step
-        of beta on w with the gradient at w'."""
-        rows = real_rows(meta)
-        if rows is None or not self.plain_steps or self.variant == "hf":
-            return None
-        real, size = set(rows), self.batches_per_step
-        pad = -meta.batches.shape[0] % size  # as ``grouped``: padding rows come first
-        groups = [
-            [g * size + k - pad for k in range(size)]
-            for g in range((meta.batches.shape[0] + pad) // size)
-        ]
-        groups = [group for group in groups if all(r in real for r in group)]
-        if not groups:
-            return {k: v.clone() for k, v in downlink.items()}, torch.zeros(())
-        beta = float(lr)
-        substeps = []
-        for first, second in groups:
-            if self.variant == "code":  # point 0 is w
-                substeps += [
-                    Substep(0, 0, self.alpha, 1.0, first),
-                    Substep(0, 0, beta, 1.0, second),
-                ]
-            else:  # point 0 is w, point 1 is w'
-                copy = ((1, 0, 0, 0.0),)  # w' <- w
-                substeps += [
-                    Substep(1, 1, self.alpha, 1.0, first, copy),
-                    Substep(1, 0, beta, 1.0, second),
-                ]
-        points = [downlink] if self.variant == "code" else [downlink, downlink]
-        fused = fused_program(ModelLoss(self.model, meta.label_mask), points, meta, substeps)
-        if fused is None:
-            return None
-        trained, values = fused.points, fused.values
-        return trained[0], values[0::2].mean()  # f(w; D) of each meta-step
-
-    @property
-    def plain_steps(self) -> bool:
-        """Whether f is the model's plain cross-entropy, whose gradient steps may run fused."""
-        plain = type(self).loss is Algorithm.loss and type(self).objective is PerFedAvg.objective
-        return plain and not getattr(self.client_optimizer, "weight_decay", 0.0)
-
     def adapt(self, downlink, state, data: ClientData, ctx: RoundContext):
         """One step ``w - alpha grad f(w; D)`` from the received model (``code``: then a beta step)."""
-        step_sizes = [self.alpha, float(ctx.client_lr)][: data.batches.shape[0]]
-        fused = fused_or_none(lambda: self.fused_adapt(downlink, data, step_sizes))
-        if fused is not None:
-            return fused
-        w = dict(downlink)
-        for k, lr in enumerate(step_sizes):
-            x, y, mask = minibatch(data, (data.batches[k], data.batch_mask[k]))
-            g = grad(self.objective)(w, x, y, mask, data.label_mask)
-            w = tree.where(mask.sum() > 0, tree.axpy(-lr, g, w), w)
-        return w
-
-    def fused_adapt(
-        self, downlink: Params, data: ClientData, step_sizes: list[float]
-    ) -> Params | None:
-        """:meth:`adapt`'s steps as one fused program, or ``None`` where they do not fuse."""
-        rows = real_rows(data)
-        if rows is None or not self.plain_steps:
-            return None
-        substeps = [Substep(0, 0, lr, 1.0, k) for k, lr in enumerate(step_sizes) if k in rows]
-        if not substeps:
-            return {k: v.clone() for k, v in downlink.items()}
-        fused = fused_program(ModelLoss(self.model, data.label_mask), [downlink], data, substeps)
-        return None if fused is None else fused.points[0]
+        step_sizes = [self.alpha, ctx.client_lr][: data.batches.shape[0]]
+        steps = [Step(0, 0, lr, 1.0, k) for k, lr in enumerate(step_sizes)]
+        loss = self.objective(downlink, data.label_mask)
+        return run_program(loss, [downlink], data, steps).points[0]
 
 
 def grouped(rows: Tensor, size: int) -> Tensor:

@@ -65,7 +65,6 @@ from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.fields import at_least, one_of, positive, setting
 from pflego.local import train_steps
-from pflego.loss import ModelLoss
 from pflego.optim import Proximal
 from pflego.rng import seed_for
 from pflego.tree import Params
@@ -152,10 +151,7 @@ class PFedMe(Algorithm):
         Moreau term is the optimizer's (:class:`~pflego.optim.Proximal`), not the loss's, so the
         logged loss is ``f_i``; on a declared loss, plain SGD's steps run fused, all in one call.
         """
-        if type(self).loss is Algorithm.loss:  # declared, so that SGD on it may run fused
-            loss = ModelLoss(self.model, data.label_mask)
-        else:
-            loss = lambda p, x, y, m: self.loss(p, x, y, m, data.label_mask)  # noqa: E731
+        loss = self.model_objective(data.label_mask)
         every = 0 if follow is None else self.K
         solver = Proximal(self.client_optimizer, self.lam, anchor, every, follow or 0.0)
         theta, state, mean_loss = train_steps(

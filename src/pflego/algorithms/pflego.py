@@ -48,7 +48,7 @@ from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.fields import one_of, setting
 from pflego.local import train_steps
-from pflego.loss import ModelLoss
+from pflego.loss import Objective
 from pflego.types import ClientData, ClientOut, RoundContext, Schedule
 
 
@@ -86,7 +86,7 @@ class PFLEGO(Algorithm):
         else:
             features, pullback = self.model.features(body, data.x), None
         head, _, _ = train_steps(
-            ModelLoss(None, data.label_mask),  # the head on fixed features
+            Objective(None, data.label_mask),  # the head on fixed features
             head,
             data._replace(x=features.detach()),
             self.client_optimizer,

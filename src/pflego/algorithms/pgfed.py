@@ -63,15 +63,13 @@ from typing import ClassVar
 
 import torch
 from torch import Tensor
-from torch.func import grad_and_value
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.fields import non_negative, one_of, positive, setting
-from pflego.fused_bilevel import Substep, fused_program
-from pflego.local import fused_or_none, train_steps, train_steps_summing_iterates
-from pflego.loss import ModelLoss, masked_cross_entropy
+from pflego.local import run_program, train_steps, train_steps_summing_iterates
 from pflego.optim import OptState, Proximal
+from pflego.program import Step
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, Schedule, ServerState
 
@@ -257,9 +255,7 @@ class PGFed(Algorithm):
     def risk(self, data: ClientData):
         """``f_i(theta; batch)``: a declared loss, whose SGD steps may run fused, unless ``loss``
         is overridden."""
-        if type(self).loss is Algorithm.loss:
-            return ModelLoss(self.model, data.label_mask)
-        return lambda p, x, y, m: self.loss(p, x, y, m, data.label_mask)
+        return self.model_objective(data.label_mask)
 
     def descend(
         self,
@@ -287,40 +283,22 @@ class PGFed(Algorithm):
         return params, iterates, steps, opt_state
 
     def full_gradient(self, params: Params, data: ClientData) -> tuple[Params, Tensor]:
-        """``grad f_i`` and ``f_i``, the mean loss over all the client's samples, in chunks (on
-        the ``fused`` backend, one fused step on them all: :meth:`fused_full_gradient`)."""
-        fused = fused_or_none(lambda: self.fused_full_gradient(params, data))
-        if fused is not None:
-            return fused
-
-        def chunk_sum(p: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
-            return (
-                masked_cross_entropy(self.model.forward(p, x), y, mask, data.label_mask)
-                * mask.sum()
-            )
-
-        total_grad, total = tree.zeros_like(params), torch.zeros((), dtype=data.mask.dtype)
-        for lo in range(0, data.x.shape[0], GRADIENT_CHUNK):
-            part = slice(lo, lo + GRADIENT_CHUNK)
-            g, value = grad_and_value(chunk_sum)(
-                params, data.x[part], data.y[part], data.mask[part]
-            )
-            total_grad, total = tree.add(total_grad, g), total + value
-        n = data.mask.sum()
-        return tree.scale(total_grad, 1 / n), total / n
-
-    def fused_full_gradient(self, params: Params, data: ClientData) -> tuple[Params, Tensor] | None:
-        """:meth:`full_gradient` as one fused substep on a schedule row of every sample, writing
-        the gradient into a second point (``g <- 0 g - (-1) grad``), or ``None`` where it does
-        not fuse."""
-        if not data.x.shape[0]:
-            return None
-        every = torch.arange(data.x.shape[0], device=data.x.device)
-        whole = data._replace(batches=every[None], batch_mask=data.mask[None])
-        points = [params, tree.zeros_like(params)]
-        substep = Substep(0, 1, -1.0, 0.0, 0)
-        fused = fused_program(ModelLoss(self.model, data.label_mask), points, whole, [substep])
-        return None if fused is None else (fused.points[1], fused.values[0])
+        """``grad f_i`` and ``f_i``, the mean loss over all the client's samples: a step program
+        of one step per chunk of :data:`GRADIENT_CHUNK` samples (which bounds its memory), each
+        adding its chunk's mean gradient, times its share of the samples, into a second point."""
+        n = data.x.shape[0]
+        width = max(min(n, GRADIENT_CHUNK), 1)
+        chunks = -(-n // width)
+        index = torch.arange(chunks * width, device=data.mask.device)
+        pad = data.mask.new_zeros(chunks * width - n)
+        mask = torch.cat([data.mask, pad]).reshape(chunks, width)
+        whole = data._replace(
+            batches=index.clamp(max=n - 1).reshape(chunks, width), batch_mask=mask
+        )
+        share = mask.sum(-1) / data.mask.sum()
+        steps = [Step(0, 1, -share[c], 1.0, c) for c in range(chunks)]
+        outcome = run_program(self.risk(data), [params, tree.zeros_like(params)], whole, steps)
+        return outcome.points[1], (outcome.values * share).sum()
 
     def predict(self, downlink: Params, state: ClientState, x: Tensor) -> Tensor:
         """The personalized model theta_i."""

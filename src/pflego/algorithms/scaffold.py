@@ -21,7 +21,7 @@ the paper); c_i -> the client state ``ci.*``; eta_l -> ``ctx.client_lr``; eta_g 
 non-padding rows); N -> the population ``ctx.num_clients``; |S| -> the clients that answered;
 option -> ``control_option`` (1 or 2, default 2). The upload is ``x - y_i`` (the pseudo-gradient
 of every averaging method, ``-Delta y_i``) and ``Delta c_i`` as ``dc.*``. The corrected step is
-the gradient of ``f_i(y) + <c - c_i, y>``: a ``ModelLoss`` with the linear term ``c_i - c``, so
+the gradient of ``f_i(y) + <c - c_i, y>``: an ``Objective`` with the linear term ``c_i - c``, so
 plain SGD on it runs fused.
 
 Differences and choices: the mean over S is unweighted, as in the paper's Algorithm 1 (no
@@ -50,7 +50,7 @@ from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.fields import one_of, setting
 from pflego.local import train_steps
-from pflego.loss import ModelLoss
+from pflego.loss import CrossEntropy, Linear, Objective
 from pflego.types import ClientData, ClientOut, RoundContext
 
 C = "c."  # the server's control variate c, in the server state's "c" and in the downlink
@@ -83,13 +83,14 @@ class Scaffold(Algorithm):
         c_i = tree.strip_prefix(CI, state)
 
         # y <- y - eta_l (g_i(y) - c_i + c): the gradient of f_i(y) - <c_i - c, y>
-        loss = ModelLoss(self.model, data.label_mask, linear=tree.sub(c_i, c))
+        terms = (CrossEntropy(), Linear(tree.sub(c_i, c)))
+        loss = Objective(self.model, data.label_mask, terms=terms)
         opt = self.client_optimizer
         y, _, mean_loss = train_steps(loss, x, data, opt, opt.init(x), ctx.client_lr)
         delta = tree.sub(x, y)  # x - y_i, the pseudo-gradient
 
         if self.control_option == 1:  # c_i^+ = g_i(x) over the whole training split
-            whole = ModelLoss(self.model, data.label_mask)
+            whole = Objective(self.model, data.label_mask)
             new_c = grad(whole)(x, data.x, data.y, data.mask)
         else:  # c_i^+ = c_i - c + (x - y_i) / (K_i eta_l)
             steps = (data.batch_mask.sum(-1) > 0).sum().to(next(iter(x.values())).dtype)

@@ -47,6 +47,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "local training",
         (
             "pflego.loss",
+            "pflego.program",
             "pflego.fused_passes",
             "pflego.fused",
             "pflego.fused_bilevel",

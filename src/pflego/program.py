@@ -1,0 +1,132 @@
+"""Multi-stage local steps as one step program: the declaration and its autograd interpreter.
+
+Some methods' local step is more than one gradient step on one point: APFL steps the global copy w
+at w and its own model v at the mixture ``w + alpha (v - w)``; Per-FedAvg's meta-step steps a
+copy w' of w and then w with the gradient at w'; FedAS records the squared norm of each batch's
+gradient. Such a step is written once, as a sequence of :class:`Step` on a few *points* (parameter
+dicts keyed alike), and run by an interpreter: :func:`autograd_program` here (the reference,
+``torch.func`` gradients, vmappable) or the fused CPU kernel
+(:func:`pflego.fused_bilevel.fused_program`); :func:`pflego.local.run_program` picks one.
+
+A step first applies its ``mixes`` (``point[dst] <- point[start] + weight (point[end] -
+point[start])``: mixtures of points, and copies with weight 0), then takes the loss's gradient
+``g`` at point ``at`` on the minibatch of schedule row ``row`` and updates point ``into`` by
+``into <- shrink into - lr g``. The schedule is the client's whole one (static shapes, no host
+synchronization in the reference): a step whose row, or one of its ``gate`` rows, is empty changes
+nothing (its mixes included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.func import grad_and_value
+
+from pflego import tree
+from pflego.tree import Params
+from pflego.types import ClientData
+
+#: A step size or mixing weight: a number, or a scalar tensor (per client under vmap).
+Weight = float | Tensor
+
+#: ``(dst, start, end, weight)``: ``point[dst] <- point[start] + weight (point[end] -
+#: point[start])`` (weight 0: a copy of ``point[start]``).
+Mix = tuple[int, int, int, Weight]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One gradient step of a program (see the module's docstring).
+
+    Attributes:
+        at: The point the gradient is taken at.
+        into: The point it updates, ``into <- shrink into - lr g``.
+        lr: The step size.
+        shrink: The factor on ``into`` (weight decay: ``1 - lr decay``).
+        row: The row of the client's schedule (``data.batches``) whose minibatch it uses.
+        mixes: What happens to the points before the gradient is taken.
+        record: Whether to record ``||into||^2`` after the update (with ``shrink`` 0 and ``lr``
+            -1, the squared norm of the gradient: FedAS's Fisher trace).
+        gate: Other rows that must hold samples for the step to run (a meta-step's group).
+    """
+
+    at: int
+    into: int
+    lr: Weight
+    shrink: Weight
+    row: int
+    mixes: tuple[Mix, ...] = ()
+    record: bool = False
+    gate: tuple[int, ...] = ()
+
+
+class Outcome(NamedTuple):
+    """A program's result: the points after its steps (new tensors) and, per step ``[S]``, the
+    loss at its point ``at`` on its minibatch before its update, whether it ran (1 or 0) and, for
+    the steps with ``record``, the squared norm it recorded (0 for the others and where a step
+    did not run)."""
+
+    points: list[Params]
+    values: Tensor
+    active: Tensor
+    norms: Tensor
+
+    def mean_value(self, stride: int = 1, summed: bool = True) -> Tensor:
+        """The mean, over the local steps that ran (``stride`` program steps each, the first of
+        which says whether it ran), of the local step's values summed (``summed``) or of its
+        first step's value."""
+        values = self.values if summed else self.values[::stride]
+        return values.sum() / self.active[::stride].sum().clamp(min=1)
+
+
+def active_steps(data: ClientData, steps: Sequence[Step]) -> Tensor:
+    """``[S]`` booleans: whether each step runs (its row and its gate rows hold samples)."""
+    real = data.batch_mask.sum(-1) > 0
+    width = 1 + max((len(s.gate) for s in steps), default=0)
+    rows = [[s.row, *s.gate, *[s.row] * (width - 1 - len(s.gate))] for s in steps]
+    index = torch.tensor(rows, dtype=torch.long, device=real.device).reshape(len(steps), width)
+    return real[index].all(-1)
+
+
+def mixed(start: Params, end: Params, weight: Weight) -> Params:
+    """``start + weight (end - start)`` leaf by leaf (``start`` itself for a weight 0)."""
+    if isinstance(weight, float | int) and weight == 0:
+        return dict(start)
+    return {k: torch.lerp(v, end[k], weight) for k, v in start.items()}
+
+
+def autograd_program(
+    loss: Callable[[Params, Tensor, Tensor, Tensor], Tensor],
+    points: Sequence[Params],
+    data: ClientData,
+    steps: Sequence[Step],
+) -> Outcome:
+    """The steps with ``torch.func`` gradients of ``loss(params, x, y, mask)`` (the reference:
+    any loss, under vmap too)."""
+    points = [dict(p) for p in points]
+    runs = active_steps(data, steps)
+    whole_set = data.batches.shape[-1] == data.x.shape[0]  # a row of every sample, as is
+    values, norms = [], []
+    for step, on in zip(steps, runs, strict=True):
+        for dst, start, end, weight in step.mixes:
+            points[dst] = tree.where(on, mixed(points[start], points[end], weight), points[dst])
+        idx, mask = data.batches[step.row], data.batch_mask[step.row]
+        x, y = (data.x, data.y) if whole_set else (data.x[idx], data.y[idx])
+        g, value = grad_and_value(loss)(points[step.at], x, y, mask)
+        old = points[step.into]
+        new = {k: step.shrink * v - step.lr * g[k] for k, v in old.items()}
+        points[step.into] = tree.where(on, new, old)
+        values.append(torch.where(on, value.detach(), 0.0))
+        norm = tree.sq_norm(points[step.into]) if step.record else torch.zeros_like(value)
+        norms.append(torch.where(on, norm.detach(), 0.0))
+    dtype = values[0].dtype if values else data.batch_mask.dtype
+    return Outcome(
+        points,
+        torch.stack(values) if values else data.batch_mask.new_zeros(0),
+        runs.to(dtype),
+        torch.stack(norms) if norms else data.batch_mask.new_zeros(0),
+    )
