@@ -36,7 +36,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
         if not names:
             raise ConfigError("--algorithms is empty; name at least one (see `pflego list`)")
-    if args.resume and (names or settings or args.config or args.seeds or args.out):
+    if args.resume and (
+        names or settings or args.config or args.seeds or args.out or args.overwrite
+    ):
         raise ConfigError(
             f"compare --resume {args.resume} finishes that comparison as it was started; "
             "give no other settings"
@@ -54,6 +56,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             resume=args.resume,
             target_acc=check_target(args.target_acc),
             workers=workers_from_args(args),
+            overwrite=args.overwrite,
             **settings,
         )
     except KeyboardInterrupt:
@@ -83,4 +86,5 @@ def add_command(sub: Any) -> None:
         help="finish an interrupted comparison in DIR (finished runs are not repeated; default: "
         "start a new one)",
     )
+    add_flag(parser, "--overwrite")
     parser.set_defaults(handler=cmd_compare)

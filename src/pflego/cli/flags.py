@@ -128,7 +128,11 @@ FLAGS: dict[str, dict[str, Any]] = {
     },
     # continuing (each command says what it continues)
     "--resume": {"type": Path, "metavar": "DIR"},
-    "--overwrite": {"action": "store_true", "help": "replace the run already in --out"},
+    "--overwrite": {
+        "action": "store_true",
+        "help": "replace what pflego wrote in --out (a run, comparison, reproduction, tuning or "
+        "report; other files stay); without it such a folder is refused",
+    },
     # the Flower server's run config (flower local, flower run-config)
     "--input-shape": {
         "default": "",

@@ -15,10 +15,11 @@ from typing import Any
 
 from pflego.config import load_config, to_dict
 from pflego.errors import ConfigError
+from pflego.experiments.folders import check_out, clear_out
 from pflego.experiments.parallel import Workers
 from pflego.experiments.presets import DEFAULT_METRIC, Preset, Row, grid_points, load_preset
 from pflego.experiments.report import Report, write_report
-from pflego.experiments.runs import MANIFEST, build_plan, check_data, execute, read_manifest
+from pflego.experiments.runs import build_plan, check_data, execute, read_manifest
 from pflego.experiments.tune import Tuning, run_tuning
 from pflego.history import History
 
@@ -54,6 +55,7 @@ def reproduce(
     rows: list[str] | None = None,
     progress: bool = True,
     workers: Workers | None = None,
+    overwrite: bool = False,
 ) -> Report:
     """Run a preset's experiment (or finish an interrupted one) and write its report.
 
@@ -76,6 +78,8 @@ def reproduce(
         rows: Only these rows (default all).
         progress: Progress bars and a line per run.
         workers: Run the runs in parallel processes (``--jobs``, ``--devices``).
+        overwrite: Replace whatever pflego wrote in ``out`` (by default a folder that holds
+            anything but this preset's reproduction is refused).
 
     Returns:
         The report (also written as ``report.md``, ``report.csv``, ``report.png``).
@@ -89,6 +93,7 @@ def reproduce(
     if data_dir is not None:
         extra["data_dir"] = str(data_dir)
     root = Path(out) if out else default_reproduce_out(preset.name, quick, offline, tune)
+    check_out(root, "reproduction", overwrite, continues=True, name=preset.name)
     preset, skipped = blocks_with_data(preset, extra, quick, offline, blocks)
     plan = build_plan(preset, "reproduce", seeds, quick, offline, extra)  # checks every config
     tunings = (
@@ -97,6 +102,8 @@ def reproduce(
     for _, _, job in tunings:
         check_data(job.plan())  # every grid point and its validation split, before training
     check_data(plan)
+    if overwrite:
+        clear_out(root)
     tuned: dict[str, dict[str, Any]] = {}
     for block, row, job in tunings:
         choice = run_tuning(job, progress, data_checked=True, workers=workers)
@@ -207,6 +214,7 @@ def compare(
     seeds: list[int] | None = None,
     resume: str | Path | None = None,
     target_acc: float | None = None,
+    overwrite: bool = False,
     **overrides: Any,
 ) -> tuple[str, dict[str, History]]:
     """Run several algorithms on one setting; write ``comparison.md``, ``.csv`` and ``.png``.
@@ -227,6 +235,8 @@ def compare(
         resume: Finish the interrupted comparison in this directory instead (nothing finished is
             run again).
         target_acc: Accuracy (fraction) whose first round the table gives.
+        overwrite: Replace whatever pflego wrote in ``out`` (by default a folder that holds
+            anything of pflego's is refused).
         **overrides: Settings for every row.
 
     Returns:
@@ -240,12 +250,10 @@ def compare(
         plan = build_plan(preset, "compare", seeds, overrides=overrides, seed_dirs=False)
         plan.target_acc = target_acc
         root = Path(out) if out else Path("runs") / f"compare-{stamp()}"
-        if (root / MANIFEST).is_file():
-            raise ConfigError(
-                f"{root} already holds a comparison; finish it with `pflego compare --resume {root}` "
-                "or choose another --out"
-            )
+        check_out(root, "comparison", overwrite)
     check_data(plan)
+    if overwrite and resume is None:
+        clear_out(root)
     execute(plan, root, progress, workers)
     report = write_report(root, target_acc=target_acc, stem="comparison")
     histories = {}
@@ -261,9 +269,11 @@ def run_seeds(
     out: str | Path | None = None,
     progress: bool = True,
     workers: Workers | None = None,
+    overwrite: bool = False,
     **overrides: Any,
 ) -> Report:
-    """One setting with several seeds: ``<out>/seed-<s>/`` and a report over them."""
+    """One setting with several seeds: ``<out>/seed-<s>/`` and a report over them (``overwrite``:
+    replace whatever pflego wrote in ``out``, else refused)."""
     settings = to_dict(load_config(config, **overrides))
     algorithm = settings["algorithm"]
     preset = Preset(
@@ -273,8 +283,9 @@ def run_seeds(
     )
     plan = build_plan(preset, "seeds", seeds, row_dirs=False)
     root = Path(out) if out else Path("runs") / f"{algorithm}-{settings['dataset']}-seeds-{stamp()}"
-    if (root / MANIFEST).is_file():
-        raise ConfigError(f"{root} already holds runs; choose another --out")
+    check_out(root, "run over seeds", overwrite)
     check_data(plan)
+    if overwrite:
+        clear_out(root)
     execute(plan, root, progress, workers)
     return write_report(root)
