@@ -5,6 +5,7 @@ experiment), finished with ``--resume`` after a stop, and the table that compare
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,23 @@ from pflego.cli.session import interrupted_experiment
 from pflego.errors import ConfigError
 
 
+def finished(report: Any) -> int:
+    """Exit code 1, with a warning on stderr, when some of a report's runs did not finish
+    (diverged, failed, stopped); else 0."""
+    unfinished = report.unfinished()
+    if not unfinished:
+        return 0
+    print(
+        f"pflego: warning: {len(unfinished)} of {len(report.rows)} rows did not finish every run: "
+        + "; ".join(unfinished),
+        file=sys.stderr,
+    )
+    return 1
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     """``pflego compare``: validate everything first, run, print the main table."""
+    from pflego.experiments.report import build_report
     from pflego.experiments.reproduce import compare, stamp
     from pflego.experiments.seeds import parse_seeds
 
@@ -63,7 +79,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return interrupted_experiment(f"`pflego compare --resume {root}` finishes it")
     print(table)
     print(f"\ncomparison.md, comparison.csv, comparison.png and every run in {root}")
-    return 0
+    return finished(build_report(Path(root)))
 
 
 def add_command(sub: Any) -> None:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pflego.cli.compare import finished
 from pflego.cli.flags import (
     add_flag,
     add_flags,
@@ -89,7 +90,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         return interrupted_experiment("rerun the same command (same --out) to finish it")
     print(report.summary())
     print(f"\nreport.md, report.csv, report.png and every run directory in {root}")
-    return 0
+    return finished(report)
 
 
 def print_presets(presets: list) -> None:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pflego.cli.compare import finished
 from pflego.cli.flags import (
     add_flag,
     add_flags,
@@ -156,7 +157,7 @@ def cmd_run_seeds(args: argparse.Namespace) -> int:
         )
     print(report.summary())
     print(f"\nreport.md, report.csv, report.png and the runs seed-<s>/ in {root}")
-    return 0
+    return finished(report)
 
 
 def add_command(sub: Any) -> None:

@@ -59,7 +59,7 @@ def plot_curves(plan: Plan, rows: list[RowResult], path: Path) -> Path:
                 rounds, mean, std = mean_curve(row, key)
                 if not rounds:
                     continue
-                (line,) = ax.plot(rounds, scale * mean, label=row.label)
+                (line,) = ax.plot(rounds, scale * mean, label=row.marked)
                 ax.fill_between(
                     rounds,
                     scale * (mean - std),

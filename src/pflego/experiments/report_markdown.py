@@ -253,7 +253,7 @@ def extra_paper_section(plan: Plan, rows: list[RowResult]) -> list[str]:
                 continue
             ours = ours_quantity(row, quantity)
             scale = 100 if M.is_accuracy(quantity) or quantity == "gain_over_local" else 1
-            cells.append([row.block, row.label, quantity, f"{paper:g}", f"{scale * ours:.3g}"])
+            cells.append([row.block, row.marked, quantity, f"{paper:g}", f"{scale * ours:.3g}"])
     if not cells:
         return []
     lines = ["## Other quantities the paper reports", ""]
@@ -275,7 +275,7 @@ def group_section(plan: Plan, rows: list[RowResult]) -> list[str]:
                 values = M.group_values(s.path, row.metric, row.settings["average_last"])
                 for group, value in values.items():
                     ours.setdefault(group, []).append(value)
-        line = [row.label]
+        line = [row.marked]
         for group in groups:
             paper = plan.paper_groups[group].get(row.name, {}).get(row.metric)
             mine = float(np.mean(ours[group])) if group in ours else math.nan

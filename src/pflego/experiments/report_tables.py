@@ -45,7 +45,7 @@ def main_table(rows: list[RowResult], has_paper: bool) -> tuple[list[str], list[
     cells = []
     for row in rows:
         mean, std = row.stat("final")
-        name = row.label if metric else f"{row.label} [{row.metric}]"
+        name = row.marked if metric else f"{row.marked} [{row.metric}]"
         line = [name]
         if has_paper:
             line.append(paper_text(row.paper, row.paper_std))
@@ -79,7 +79,7 @@ def ranking_table(rows: list[RowResult]) -> tuple[list[str], list[list[str]]]:
         cells.append(
             [
                 str(rank),
-                row.label if metric else f"{row.label} [{row.metric}]",
+                row.marked if metric else f"{row.marked} [{row.metric}]",
                 fmt_stat(*row.stat("final"), row.metric),
                 fmt_stat(*row.stat("p10"), row.metric),
                 f"{row.stat('seconds')[0] / rounds:.3g}" if rounds else "—",
@@ -109,7 +109,7 @@ def measures_table(
         header += ["MB up per round", "MB down per round", "client GFLOP per round"]
     cells = []
     for row in rows:
-        line = [row.label]
+        line = [row.marked]
         if has_val:
             picks = row.best_validations()
             mean, std = mean_std([v for _, v in picks])

@@ -16,10 +16,10 @@ from typing import Any
 from pflego.config import load_config, to_dict
 from pflego.errors import ConfigError
 from pflego.experiments.folders import check_out, clear_out
-from pflego.experiments.parallel import Workers
+from pflego.experiments.parallel import RunsFailedError, Workers
 from pflego.experiments.presets import DEFAULT_METRIC, Preset, Row, grid_points, load_preset
 from pflego.experiments.report import Report, write_report
-from pflego.experiments.runs import build_plan, check_data, execute, read_manifest
+from pflego.experiments.runs import Plan, build_plan, check_data, execute, read_manifest
 from pflego.experiments.tune import Tuning, run_tuning
 from pflego.history import History
 
@@ -121,8 +121,7 @@ def reproduce(
         )
     plan.notes += skipped
     plan.target_acc = target_acc if target_acc is not None else preset.target_acc
-    execute(plan, root, progress, workers)
-    return write_report(root)
+    return execute_and_report(plan, root, progress, workers)
 
 
 def blocks_with_data(
@@ -254,8 +253,7 @@ def compare(
     check_data(plan)
     if overwrite and resume is None:
         clear_out(root)
-    execute(plan, root, progress, workers)
-    report = write_report(root, target_acc=target_acc, stem="comparison")
+    report = execute_and_report(plan, root, progress, workers, target_acc, "comparison")
     histories = {}
     for spec in plan.rows:
         first = plan.runs_of(next(iter(plan.blocks)), spec["name"], plan.sweep_values()[0])[0]
@@ -287,5 +285,22 @@ def run_seeds(
     check_data(plan)
     if overwrite:
         clear_out(root)
-    execute(plan, root, progress, workers)
-    return write_report(root)
+    return execute_and_report(plan, root, progress, workers)
+
+
+def execute_and_report(
+    plan: Plan,
+    root: Path,
+    progress: bool,
+    workers: Workers | None,
+    target_acc: float | None = None,
+    stem: str = "report",
+) -> Report:
+    """Run the plan's unfinished runs and write its report, also when some runs failed (the
+    report marks them; :class:`RunsFailedError` follows)."""
+    try:
+        execute(plan, root, progress, workers)
+    except RunsFailedError:
+        write_report(root, target_acc=target_acc, stem=stem)
+        raise
+    return write_report(root, target_acc=target_acc, stem=stem)

@@ -436,7 +436,8 @@ class Simulation(Evaluation):
                     warned = True
                     tqdm.write(
                         f"pflego: warning: the training loss grew from {first_loss:.4g} to "
-                        f"{loss:.4g} by round {t + 1}; the step sizes may be too large"
+                        f"{loss:.4g} by round {t + 1}; the step sizes may be too large",
+                        file=bar.stream,
                     )
                 self.check_loss(first_loss, threshold, t + 1)
             if (t + 1) % cfg.checkpoint_every == 0 or t + 1 == cfg.rounds:
