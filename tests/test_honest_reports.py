@@ -79,3 +79,51 @@ def test_a_diverged_run_is_marked_everywhere_and_exits_1(capsys, tmp_path, legen
     assert any("fedavg (diverged)" in entries for entries in legends[-1:])
     code, latex, _ = cli(capsys, "report", out, "--format", "latex", "--out", tmp_path / "r")
     assert code == 0 and r"fedavg (diverged) &" in latex
+
+
+@pytest.fixture
+def titles(monkeypatch) -> list[str]:
+    """The title of every figure saved from now on."""
+    figure = pflego.plots.pyplot().Figure
+    seen: list[str] = []
+    real = figure.savefig
+
+    def spy(self, *args, **kwargs):
+        seen.append(self._suptitle.get_text() if self._suptitle else "")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(figure, "savefig", spy)
+    return seen
+
+
+def test_a_custom_comparison_is_labelled_by_what_ran(capsys, tmp_path, titles):
+    out = tmp_path / "c"
+    argv = ["compare", *FLAGS, "--dataset", "tiny", "--algorithms", "fedavg,pflego"]
+    code, _, err = cli(capsys, *argv, "--rounds", "2", "--out", out)
+    assert code == 0, err
+    text = (out / "comparison.md").read_text()
+    heading = text.splitlines()[0]
+    assert heading.startswith("# compare: fedavg, pflego on tiny, 6 clients, 2 rounds: main's")
+    assert "dataset=tiny" in heading and "The main experiment" not in text
+    assert titles[-1] == heading[2 : heading.index(": main's")]  # one seed: no "over seeds"
+    assert "±" not in text and "over seeds" not in text
+
+
+def test_a_preset_is_named_only_when_it_ran_unchanged(capsys, tmp_path, titles):
+    preset = tmp_path / "mine.yaml"
+    settings = {"dataset": "tiny", "clients": 6, "classes_per_client": 2, "rounds": 2}
+    values = {"description": "my experiment", "settings": settings, "algorithms": {"fedavg": {}}}
+    preset.write_text(yaml.safe_dump(values))
+    code, _, err = cli(capsys, "compare", "--config", preset, "--quiet", "--out", tmp_path / "a")
+    assert code == 0, err
+    assert (tmp_path / "a" / "comparison.md").read_text().startswith("# mine: my experiment\n")
+    code, _, err = cli(capsys, "reproduce", preset, "--quiet", "--out", tmp_path / "b")
+    assert code == 0, err
+    assert (tmp_path / "b" / "report.md").read_text().startswith("# mine: my experiment\n")
+    argv = ["reproduce", preset, "--quiet", "--rounds", "1", "--seeds", "2"]
+    code, _, err = cli(capsys, *argv, "--out", tmp_path / "r")
+    assert code == 0, err
+    text = (tmp_path / "r" / "report.md").read_text()
+    assert text.startswith("# mine, set rounds=1: not the preset as published: set rounds=1\n")
+    assert "my experiment" not in text and "± is the sample standard deviation" in text
+    assert titles[-1] == "mine, set rounds=1: mean over seeds, band ± std"

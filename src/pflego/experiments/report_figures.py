@@ -78,7 +78,8 @@ def plot_curves(plan: Plan, rows: list[RowResult], path: Path) -> Path:
         for ax in (ax_loss, ax_metric):
             ax.grid(alpha=0.3)
             ax.legend(fontsize="small")
-    fig.suptitle(f"{plan.name}: mean over seeds, band ± std")
+    several = max((len(r.seeds) for r in rows), default=1) > 1
+    fig.suptitle(plan.name + (": mean over seeds, band ± std" if several else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

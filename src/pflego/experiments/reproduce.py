@@ -17,7 +17,14 @@ from pflego.config import load_config, to_dict
 from pflego.errors import ConfigError
 from pflego.experiments.folders import check_out, clear_out
 from pflego.experiments.parallel import RunsFailedError, Workers
-from pflego.experiments.presets import DEFAULT_METRIC, Preset, Row, grid_points, load_preset
+from pflego.experiments.presets import (
+    DEFAULT_METRIC,
+    Preset,
+    Row,
+    grid_points,
+    load_preset,
+    point_label,
+)
 from pflego.experiments.report import Report, write_report
 from pflego.experiments.runs import Plan, build_plan, check_data, execute, read_manifest
 from pflego.experiments.tune import Tuning, run_tuning
@@ -120,6 +127,10 @@ def reproduce(
             f"rounds on tuning seeds {', '.join(map(str, job.seeds))}."
         )
     plan.notes += skipped
+    forms = [
+        f for f, on in (("quick form", quick and preset.quick), ("offline form", offline)) if on
+    ]
+    relabel(plan, preset, extra, forms)
     plan.target_acc = target_acc if target_acc is not None else preset.target_acc
     return execute_and_report(plan, root, progress, workers)
 
@@ -193,9 +204,32 @@ def tuning_jobs(
     return jobs
 
 
-def comparison_preset(source: str | Path | None, algorithms: list[str] | None) -> Preset:
-    """The comparison file (default the main experiment), restricted or extended to ``algorithms``."""
-    preset = load_preset(source if source is not None else MAIN_PRESET)
+def relabel(plan: Plan, preset: Preset, changed: dict[str, Any], forms: list[str]) -> None:
+    """Name the plan after its preset only when the preset ran unchanged: else its name and
+    description say what ran (``main, quick form, rounds=3``) and what was changed."""
+    shown = {k: v for k, v in changed.items() if k != "data_dir"}
+    if not shown and not forms:
+        return
+    what = forms + ([f"set {point_label(shown)}"] if shown else [])
+    plan.name = f"{preset.name}, {', '.join(what)}"
+    plan.description = "not the preset as published: " + "; ".join(what)
+
+
+def comparison_label(plan: Plan, source: str, changed: dict[str, Any]) -> None:
+    """A comparison that is not its file's as written is named by what ran: ``compare:
+    fedavg, pflego on mnist, 20 clients, 3 rounds``, described by what was changed."""
+    config = plan.runs[0].config
+    rows = ", ".join(row["name"] for row in plan.rows)
+    plan.name = (
+        f"compare: {rows} on {config['dataset']}, {config['clients']} clients, "
+        f"{config['rounds']} rounds"
+    )
+    shown = {k: v for k, v in changed.items() if k != "data_dir"}
+    plan.description = f"{source}'s settings" + (f" with {point_label(shown)}" if shown else "")
+
+
+def comparison_preset(preset: Preset, algorithms: list[str] | None) -> Preset:
+    """A comparison file's preset, restricted or extended to ``algorithms``."""
     if algorithms is None:
         return preset
     if not algorithms:
@@ -245,8 +279,11 @@ def compare(
         root = Path(resume)
         plan = read_manifest(root)
     else:
-        preset = comparison_preset(source, algorithms)
+        written = load_preset(source if source is not None else MAIN_PRESET)
+        preset = comparison_preset(written, algorithms)
         plan = build_plan(preset, "compare", seeds, overrides=overrides, seed_dirs=False)
+        if list(preset.rows) != list(written.rows) or set(overrides) - {"data_dir"}:
+            comparison_label(plan, preset.name, overrides)
         plan.target_acc = target_acc
         root = Path(out) if out else Path("runs") / f"compare-{stamp()}"
         check_out(root, "comparison", overwrite)
