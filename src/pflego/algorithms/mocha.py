@@ -44,6 +44,7 @@ not refused (one step size is often given to every method of an experiment) and 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -78,6 +79,12 @@ class MOCHA(Algorithm):
         for name in ("lam", "sdca_fraction", "omega_every", "max_samples"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)} of mocha must be positive")
+        if next(self.model.body.parameters(), None) is not None:  # never silently frozen
+            logging.getLogger(__name__).warning(
+                "mocha learns linear models on the fixed initial features of %s's body, which "
+                "it never trains; --model linear learns them on the inputs",
+                self.model.name or "the model",
+            )
 
     # --- server -------------------------------------------------------------------------------
 

@@ -79,6 +79,18 @@ UNSET = {
 
 SEEDS_METAVAR = "K|S1,S2,..."
 
+
+def at_least_one(text: str) -> int:
+    """An integer flag that counts something (``--jobs``): 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 #: flag -> the keywords of ``add_argument``, for the flags that several commands take.
 FLAGS: dict[str, dict[str, Any]] = {
     # the rest of the run flags (after the settings)
@@ -109,7 +121,7 @@ FLAGS: dict[str, dict[str, Any]] = {
     },
     "--tune-seeds": {"metavar": SEEDS_METAVAR, "help": "seeds of the grid runs (default 0)"},
     "--jobs": {
-        "type": int,
+        "type": at_least_one,
         "default": 1,
         "metavar": "N",
         "help": "run the experiment's runs on N worker processes, each with --threads threads "
