@@ -82,12 +82,39 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return finished(build_report(Path(root)))
 
 
+def defaults() -> dict[str, str]:
+    """How ``compare --help`` shows its defaults: the main experiment's settings, and its rows'
+    step sizes on its dataset (on another dataset, and for another row, the algorithm's own)."""
+    from pflego.experiments.presets import load_preset
+    from pflego.experiments.reproduce import MAIN_PRESET, STEP_SIZES
+
+    main = load_preset(MAIN_PRESET)
+    shown = {k: f"{v}, the main experiment's" for k, v in main.settings.items()}
+    for key in STEP_SIZES:
+        rows = ", ".join(
+            f"{name} {row.settings[key]:g}"
+            for name, row in main.rows.items()
+            if key in row.settings
+        )
+        shown[key] = (
+            f"the comparison file's rows', for the main experiment {rows} on "
+            f"{main.settings['dataset']}; on another --dataset, and for any other row, the "
+            "algorithm's own (`pflego list`)"
+        )
+    return shown
+
+
 def add_command(sub: Any) -> None:
     """Add ``compare`` to the ``pflego`` command's subparsers."""
     parser = sub.add_parser(
         "compare", help="run several algorithms and compare them (no flags: the main experiment)"
     )
-    add_run_flags(parser)
+    add_run_flags(
+        parser,
+        without=("algorithm",),
+        defaults=defaults(),
+        out="output directory (default: runs/compare-<date>-<time>)",
+    )
     parser.add_argument(
         "--algorithms",
         help="comma-separated names (default: the preset's; for the main experiment "

@@ -186,7 +186,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def add_tune(sub: Any) -> None:
     p = _add_parser(sub, "tune")
-    add_run_flags(p)
+    add_run_flags(
+        p, without=("seed",), out="output directory (default: runs/tune-<algorithm>-<date>-<time>)"
+    )
     p.add_argument(
         "--grid",
         action="append",

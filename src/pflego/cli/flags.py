@@ -257,31 +257,49 @@ def step_size_default(key: str) -> str:
 
 
 def add_run_setting(
-    parser: argparse.ArgumentParser, key: str, allowed: list[str] | None = None
+    parser: argparse.ArgumentParser,
+    key: str,
+    allowed: list[str] | None = None,
+    shown: str | None = None,
 ) -> None:
     """The flag of one of :data:`RUN_SETTINGS`, its help ending in its ``allowed`` values and
-    its default."""
+    its default (``shown``: the command's own, where it is not the setting's)."""
     from pflego.config import FIELDS
 
     text = RUN_SETTINGS[key]
     if allowed:
         text += f"; one of: {' | '.join(allowed)}"
     default = FIELDS[key].default
-    if key in ("client_lr", "server_lr"):
+    if shown is None and key in ("client_lr", "server_lr"):
         shown = step_size_default(key)
-    else:
+    elif shown is None:
         shown = UNSET.get(key, default) if default is None else default
     parser.add_argument(flag_of(key), dest=key, default=None, help=f"{text} (default: {shown})")
 
 
-def add_run_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``pflego run`` (also used by ``compare``, ``tune`` and ``flower``)."""
+def add_run_flags(
+    parser: argparse.ArgumentParser,
+    without: tuple[str, ...] = (),
+    defaults: dict[str, str] | None = None,
+    out: str | None = None,
+) -> None:
+    """The flags of ``pflego run`` (also used by ``compare``, ``tune`` and ``flower``).
+
+    Args:
+        parser: The command's parser.
+        without: Settings the command refuses as flags (they are not listed).
+        defaults: Setting -> how ``--help`` shows the command's own default of it.
+        out: ``--out``'s help, where the command's default differs from ``run``'s.
+    """
     allowed = choices()
     for _, key, _ in RUN_FLAGS:
-        add_run_setting(parser, key, allowed.get(key))
+        if key not in without:
+            add_run_setting(parser, key, allowed.get(key), (defaults or {}).get(key))
     for flag, key, text in RUN_SWITCHES:
         parser.add_argument(flag, dest=key, action="store_const", const=True, help=text)
-    add_flags(parser, "--config", "--set", "--out", "--quiet", "--no-verify")
+    add_flags(parser, "--config", "--set")
+    add_flag(parser, "--out", **({"help": out} if out else {}))
+    add_flags(parser, "--quiet", "--no-verify")
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:

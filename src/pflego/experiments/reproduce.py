@@ -228,6 +228,31 @@ def comparison_label(plan: Plan, source: str, changed: dict[str, Any]) -> None:
     plan.description = f"{source}'s settings" + (f" with {point_label(shown)}" if shown else "")
 
 
+#: The settings a comparison file's rows tune for its dataset alone.
+STEP_SIZES = ("client_lr", "server_lr")
+
+
+def on_dataset(preset: Preset, dataset: str | None) -> tuple[Preset, list[str]]:
+    """The preset on another ``dataset``: its rows' step sizes were chosen for its own, so each
+    algorithm runs with its library defaults (as ``pflego run`` does), and a note says so."""
+    if dataset is None or dataset == preset.settings.get("dataset"):
+        return preset, []
+    rows = {
+        name: dataclasses.replace(
+            row, settings={k: v for k, v in row.settings.items() if k not in STEP_SIZES}
+        )
+        for name, row in preset.rows.items()
+    }
+    if rows == preset.rows:
+        return preset, []
+    note = (
+        f"Step sizes: {preset.name}'s were chosen on {preset.settings.get('dataset')}; on "
+        f"{dataset} every algorithm runs with its own defaults (`pflego list`) unless "
+        "--client-lr / --server-lr set them."
+    )
+    return dataclasses.replace(preset, rows=rows), [note]
+
+
 def comparison_preset(preset: Preset, algorithms: list[str] | None) -> Preset:
     """A comparison file's preset, restricted or extended to ``algorithms``."""
     if algorithms is None:
@@ -280,8 +305,9 @@ def compare(
         plan = read_manifest(root)
     else:
         written = load_preset(source if source is not None else MAIN_PRESET)
-        preset = comparison_preset(written, algorithms)
+        preset, notes = on_dataset(comparison_preset(written, algorithms), overrides.get("dataset"))
         plan = build_plan(preset, "compare", seeds, overrides=overrides, seed_dirs=False)
+        plan.notes += notes
         if list(preset.rows) != list(written.rows) or set(overrides) - {"data_dir"}:
             comparison_label(plan, preset.name, overrides)
         plan.target_acc = target_acc
