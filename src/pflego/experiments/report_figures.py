@@ -92,18 +92,17 @@ def plot_curves(plan: Plan, rows: list[RowResult], path: Path) -> Path:
     return path
 
 
+def close_rows(rows: list[RowResult]) -> list[int]:
+    """The indices of the rows whose final value lies within :data:`CLOSE` of another's."""
+    finals = [r.stat("final")[0] * (100.0 if M.is_accuracy(r.metric) else 1.0) for r in rows]
+    finite = [(i, v) for i, v in enumerate(finals) if math.isfinite(v)]
+    return [i for i, a in finite if any(j != i and abs(a - b) < CLOSE for j, b in finite)]
+
+
 def close_inset(ax, curves: list[tuple[list[int], np.ndarray, str, RowResult]]) -> None:
     """An inset of the evaluations that the final values average, for the rows whose final values
     lie within :data:`CLOSE` of each other (where the panel spans ten times more)."""
-    finals = [
-        row.stat("final")[0] * (100.0 if M.is_accuracy(row.metric) else 1.0) for *_, row in curves
-    ]
-    near = {
-        i
-        for i, a in enumerate(finals)
-        for j, b in enumerate(finals)
-        if i != j and math.isfinite(a) and math.isfinite(b) and abs(a - b) < CLOSE
-    }
+    near = close_rows([row for *_, row in curves])
     if not near:
         return
     last = max(max(rounds) for rounds, *_ in curves)
@@ -111,22 +110,25 @@ def close_inset(ax, curves: list[tuple[list[int], np.ndarray, str, RowResult]]) 
     final_from = min((w[1] for w in windows), default=last)  # the final value's evaluations
     tail = [
         [(t, v) for t, v in zip(*curves[i][:2]) if t >= final_from and math.isfinite(v)]
-        for i in sorted(near)
+        for i in near
     ]
     fitted = [v for points in tail for _, v in points]
-    spread = max(fitted) - min(fitted) if fitted else 0.0
+    spread = max(fitted, default=0.0) - min(fitted, default=0.0)
     low, high = ax.get_ylim()
     if spread == 0 or high - low < 10 * spread:
         return
     inset = ax.inset_axes([0.45, 0.12, 0.5, 0.4])
-    for i, points in zip(sorted(near), tail):
+    for i, points in zip(near, tail):
         inset.plot(*zip(*points), color=curves[i][2], marker="o")
-    inset.set_ylim(min(fitted) - 0.2 * spread, max(fitted) + 0.2 * spread)
-    inset.set_xlim(final_from - max(0.5, 0.05 * last), last + max(0.5, 0.05 * last))
+    margin = max(0.5, 0.05 * last)
+    inset.set(
+        ylim=(min(fitted) - 0.2 * spread, max(fitted) + 0.2 * spread),
+        xlim=(final_from - margin, last + margin),
+        xticks=sorted({t for points in tail for t, _ in points}),
+    )
     span = f"round {last}" if final_from == last else f"rounds {final_from}–{last}"
     inset.set_title(f"{span} (the final value's), zoomed", fontsize=8)
     inset.tick_params(labelsize=7)
-    inset.set_xticks(sorted({t for points in tail for t, _ in points}))
     inset.grid(alpha=0.3)
 
 
