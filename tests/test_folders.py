@@ -107,6 +107,10 @@ def test_rerunning_continues_and_another_preset_is_refused(capsys, tmp_path, mad
     shutil.copytree(made["reproduction"], folder)
     code, _, err = cli(capsys, "reproduce", made["preset"], "--quiet", "--out", folder)
     assert code == 0, err  # nothing to run: the reproduction is finished
+    argv = ["reproduce", made["preset"], "--quiet", "--rounds", "1", "--out", tmp_path / "r1"]
+    assert cli(capsys, *argv)[0] == 0
+    code, _, err = cli(capsys, *argv)  # named "preset, set rounds=1": still preset's
+    assert code == 0, err
     other = tmp_path / "other.yaml"
     other.write_text(yaml.safe_dump(PRESET))
     code, _, err = cli(capsys, "reproduce", other, "--quiet", "--out", folder)

@@ -89,7 +89,7 @@ def titles(monkeypatch) -> list[str]:
     real = figure.savefig
 
     def spy(self, *args, **kwargs):
-        seen.append(self._suptitle.get_text() if self._suptitle else "")
+        seen.append(" ".join(self._suptitle.get_text().split()) if self._suptitle else "")
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(figure, "savefig", spy)

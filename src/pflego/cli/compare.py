@@ -115,6 +115,8 @@ def add_command(sub: Any) -> None:
         defaults=defaults(),
         out="output directory (default: runs/compare-<date>-<time>)",
     )
+    # refused with a pointer to --algorithms (cmd_compare), and never listed
+    parser.add_argument("--algorithm", dest="algorithm", help=argparse.SUPPRESS)
     parser.add_argument(
         "--algorithms",
         help="comma-separated names (default: the preset's; for the main experiment "

@@ -96,8 +96,8 @@ def check_out(
         return found
     if continues and found == kind:
         held = manifest_name(out)
-        if name is None or held in (None, name):
-            return found
+        if name is None or held in (None, name) or held.startswith(f"{name}, "):
+            return found  # a preset run with changes is named "<preset>, <changes>"
         raise ConfigError(
             f"{out} already holds a {found} of {held}, not of {name}; choose another --out, "
             "or pass --overwrite to replace it"

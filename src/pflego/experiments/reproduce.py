@@ -233,9 +233,10 @@ STEP_SIZES = ("client_lr", "server_lr")
 
 
 def on_dataset(preset: Preset, dataset: str | None) -> tuple[Preset, list[str]]:
-    """The preset on another ``dataset``: its rows' step sizes were chosen for its own, so each
-    algorithm runs with its library defaults (as ``pflego run`` does), and a note says so."""
-    if dataset is None or dataset == preset.settings.get("dataset"):
+    """The preset on another ``dataset`` than the one it names: its rows' step sizes were chosen
+    for its own, so each algorithm runs with its library defaults (as ``pflego run`` does), and a
+    note says so."""
+    if preset.settings.get("dataset") in (None, dataset):
         return preset, []
     rows = {
         name: dataclasses.replace(
