@@ -42,6 +42,7 @@ received layers fixed: its own BN layers, as FedBN's clients have.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -63,6 +64,15 @@ RUNNING = (".running_mean", ".running_var")
 @dataclass(frozen=True)
 class FedBN(Algorithm):
     default_client_lr: ClassVar[float] = 0.3  # FedAvg's, tuned in the main experiment
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.norms:  # never silently FedAvg
+            logging.getLogger(__name__).warning(
+                "fedbn on %s, a model without batch norm, is FedAvg exactly (every layer is "
+                "averaged); a batch-norm model such as --model mlp-bn keeps its norms local",
+                self.model.name or "this model",
+            )
 
     @property
     def norms(self) -> tuple[Layer, ...]:

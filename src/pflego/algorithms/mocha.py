@@ -44,6 +44,7 @@ not refused (one step size is often given to every method of an experiment) and 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -80,6 +81,15 @@ class MOCHA(Algorithm):
     sum_aggregate: ClassVar[bool] = False
     server_step: ClassVar[str] = "own"  # B += Delta b, and the Omega step
     client_step: ClassVar[str] = "own"  # local SDCA on the duals
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if next(self.model.body.parameters(), None) is not None:  # never silently frozen
+            logging.getLogger(__name__).warning(
+                "mocha learns linear models on the fixed initial features of %s's body, which "
+                "it never trains; --model linear learns them on the inputs",
+                self.model.name or "the model",
+            )
 
     # --- server -------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ experiment), finished with ``--resume`` after a stop, and the table that compare
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,23 @@ from pflego.cli.session import interrupted_experiment
 from pflego.errors import ConfigError
 
 
+def finished(report: Any) -> int:
+    """Exit code 1, with a warning on stderr, when some of a report's runs did not finish
+    (diverged, failed, stopped); else 0."""
+    unfinished = report.unfinished()
+    if not unfinished:
+        return 0
+    print(
+        f"pflego: warning: {len(unfinished)} of {len(report.rows)} rows did not finish every run: "
+        + "; ".join(unfinished),
+        file=sys.stderr,
+    )
+    return 1
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     """``pflego compare``: validate everything first, run, print the main table."""
+    from pflego.experiments.report import build_report
     from pflego.experiments.reproduce import compare, stamp
     from pflego.experiments.seeds import parse_seeds
 
@@ -36,7 +52,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
         if not names:
             raise ConfigError("--algorithms is empty; name at least one (see `pflego list`)")
-    if args.resume and (names or settings or args.config or args.seeds or args.out):
+    if args.resume and (
+        names or settings or args.config or args.seeds or args.out or args.overwrite
+    ):
         raise ConfigError(
             f"compare --resume {args.resume} finishes that comparison as it was started; "
             "give no other settings"
@@ -54,13 +72,36 @@ def cmd_compare(args: argparse.Namespace) -> int:
             resume=args.resume,
             target_acc=check_target(args.target_acc),
             workers=workers_from_args(args),
+            overwrite=args.overwrite,
             **settings,
         )
     except KeyboardInterrupt:
         return interrupted_experiment(f"`pflego compare --resume {root}` finishes it")
     print(table)
     print(f"\ncomparison.md, comparison.csv, comparison.png and every run in {root}")
-    return 0
+    return finished(build_report(Path(root)))
+
+
+def defaults() -> dict[str, str]:
+    """How ``compare --help`` shows its defaults: the main experiment's settings, and its rows'
+    step sizes on its dataset (on another dataset, and for another row, the algorithm's own)."""
+    from pflego.experiments.presets import load_preset
+    from pflego.experiments.reproduce import MAIN_PRESET, STEP_SIZES
+
+    main = load_preset(MAIN_PRESET)
+    shown = {k: f"{v}, the main experiment's" for k, v in main.settings.items()}
+    for key in STEP_SIZES:
+        rows = ", ".join(
+            f"{name} {row.settings[key]:g}"
+            for name, row in main.rows.items()
+            if key in row.settings
+        )
+        shown[key] = (
+            f"the comparison file's rows', for the main experiment {rows} on "
+            f"{main.settings['dataset']}; on another --dataset, and for any other row, the "
+            "algorithm's own (`pflego list`)"
+        )
+    return shown
 
 
 def add_command(sub: Any) -> None:
@@ -68,7 +109,14 @@ def add_command(sub: Any) -> None:
     parser = sub.add_parser(
         "compare", help="run several algorithms and compare them (no flags: the main experiment)"
     )
-    add_run_flags(parser)
+    add_run_flags(
+        parser,
+        without=("algorithm",),
+        defaults=defaults(),
+        out="output directory (default: runs/compare-<date>-<time>)",
+    )
+    # refused with a pointer to --algorithms (cmd_compare), and never listed
+    parser.add_argument("--algorithm", dest="algorithm", help=argparse.SUPPRESS)
     parser.add_argument(
         "--algorithms",
         help="comma-separated names (default: the preset's; for the main experiment "
@@ -83,4 +131,5 @@ def add_command(sub: Any) -> None:
         help="finish an interrupted comparison in DIR (finished runs are not repeated; default: "
         "start a new one)",
     )
+    add_flag(parser, "--overwrite")
     parser.set_defaults(handler=cmd_compare)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pflego.cli.compare import finished
 from pflego.cli.flags import (
     add_flag,
     add_flags,
@@ -83,12 +84,13 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
             rows=parse_names(args.rows),
             progress=not args.quiet,
             workers=workers_from_args(args),
+            overwrite=args.overwrite,
         )
     except KeyboardInterrupt:
         return interrupted_experiment("rerun the same command (same --out) to finish it")
     print(report.summary())
     print(f"\nreport.md, report.csv, report.png and every run directory in {root}")
-    return 0
+    return finished(report)
 
 
 def print_presets(presets: list) -> None:
@@ -125,6 +127,7 @@ def add_reproduce(sub: Any) -> None:
         help="folder with the datasets' files (default $PFLEGO_DATA or ~/.cache/pflego/data)",
     )
     add_flag(p, "--out", help="output directory (default runs/<name>[-quick][-offline][-tuned])")
+    add_flag(p, "--overwrite")
     p.add_argument(
         "--tune",
         action="store_true",
@@ -172,6 +175,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             out=args.out,
             progress=not args.quiet,
             workers=workers_from_args(args),
+            overwrite=args.overwrite,
         )
     except KeyboardInterrupt:
         return interrupted_experiment("rerun the same command with the same --out to finish it")
@@ -182,7 +186,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def add_tune(sub: Any) -> None:
     p = _add_parser(sub, "tune")
-    add_run_flags(p)
+    add_run_flags(
+        p, without=("seed",), out="output directory (default: runs/tune-<algorithm>-<date>-<time>)"
+    )
     p.add_argument(
         "--grid",
         action="append",
@@ -194,6 +200,7 @@ def add_tune(sub: Any) -> None:
     add_flag(p, "--seeds")
     add_flags(p, "--jobs", "--devices")
     add_flag(p, "--tune-seeds")
+    add_flag(p, "--overwrite")
     p.set_defaults(handler=cmd_tune)
 
 
@@ -201,12 +208,17 @@ def add_tune(sub: Any) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from pflego.experiments.folders import check_out, clear_out
     from pflego.experiments.report import FORMATS, plan_from_directories, write_report
 
     if args.format not in FORMATS:
         raise ConfigError(f"--format {args.format!r} is not one of {', '.join(FORMATS)}")
     plan, root = plan_from_directories([Path(d) for d in args.dirs])
     out = args.out or (Path(args.dirs[0]) if plan.kind != "runs" else Path("report"))
+    if plan.kind == "runs" or out.resolve() != root.resolve():  # not the experiment's own folder
+        check_out(out, "report", args.overwrite)
+        if args.overwrite:
+            clear_out(out)
     report = write_report(
         root, plan, check_target(args.target_acc), out, latex=args.format == "latex"
     )
@@ -224,6 +236,7 @@ def add_report(sub: Any) -> None:
     add_flag(
         p, "--out", help="where to write the files (default the experiment directory, or ./report)"
     )
+    add_flag(p, "--overwrite")
     add_flag(p, "--target-acc")
     p.set_defaults(handler=cmd_report)
 

@@ -79,6 +79,18 @@ UNSET = {
 
 SEEDS_METAVAR = "K|S1,S2,..."
 
+
+def at_least_one(text: str) -> int:
+    """An integer flag that counts something (``--jobs``): 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 #: flag -> the keywords of ``add_argument``, for the flags that several commands take.
 FLAGS: dict[str, dict[str, Any]] = {
     # the rest of the run flags (after the settings)
@@ -109,7 +121,7 @@ FLAGS: dict[str, dict[str, Any]] = {
     },
     "--tune-seeds": {"metavar": SEEDS_METAVAR, "help": "seeds of the grid runs (default 0)"},
     "--jobs": {
-        "type": int,
+        "type": at_least_one,
         "default": 1,
         "metavar": "N",
         "help": "run the experiment's runs on N worker processes, each with --threads threads "
@@ -128,7 +140,11 @@ FLAGS: dict[str, dict[str, Any]] = {
     },
     # continuing (each command says what it continues)
     "--resume": {"type": Path, "metavar": "DIR"},
-    "--overwrite": {"action": "store_true", "help": "replace the run already in --out"},
+    "--overwrite": {
+        "action": "store_true",
+        "help": "replace what pflego wrote in --out (a run, comparison, reproduction, tuning or "
+        "report; other files stay); without it such a folder is refused",
+    },
     # the Flower server's run config (flower local, flower run-config)
     "--input-shape": {
         "default": "",
@@ -241,31 +257,49 @@ def step_size_default(key: str) -> str:
 
 
 def add_run_setting(
-    parser: argparse.ArgumentParser, key: str, allowed: list[str] | None = None
+    parser: argparse.ArgumentParser,
+    key: str,
+    allowed: list[str] | None = None,
+    shown: str | None = None,
 ) -> None:
     """The flag of one of :data:`RUN_SETTINGS`, its help ending in its ``allowed`` values and
-    its default."""
+    its default (``shown``: the command's own, where it is not the setting's)."""
     from pflego.config import FIELDS
 
     text = RUN_SETTINGS[key]
     if allowed:
         text += f"; one of: {' | '.join(allowed)}"
     default = FIELDS[key].default
-    if key in ("client_lr", "server_lr"):
+    if shown is None and key in ("client_lr", "server_lr"):
         shown = step_size_default(key)
-    else:
+    elif shown is None:
         shown = UNSET.get(key, default) if default is None else default
     parser.add_argument(flag_of(key), dest=key, default=None, help=f"{text} (default: {shown})")
 
 
-def add_run_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``pflego run`` (also used by ``compare``, ``tune`` and ``flower``)."""
+def add_run_flags(
+    parser: argparse.ArgumentParser,
+    without: tuple[str, ...] = (),
+    defaults: dict[str, str] | None = None,
+    out: str | None = None,
+) -> None:
+    """The flags of ``pflego run`` (also used by ``compare``, ``tune`` and ``flower``).
+
+    Args:
+        parser: The command's parser.
+        without: Settings the command refuses as flags (they are not listed).
+        defaults: Setting -> how ``--help`` shows the command's own default of it.
+        out: ``--out``'s help, where the command's default differs from ``run``'s.
+    """
     allowed = choices()
     for _, key, _ in RUN_FLAGS:
-        add_run_setting(parser, key, allowed.get(key))
+        if key not in without:
+            add_run_setting(parser, key, allowed.get(key), (defaults or {}).get(key))
     for flag, key, text in RUN_SWITCHES:
         parser.add_argument(flag, dest=key, action="store_const", const=True, help=text)
-    add_flags(parser, "--config", "--set", "--out", "--quiet", "--no-verify")
+    add_flags(parser, "--config", "--set")
+    add_flag(parser, "--out", **({"help": out} if out else {}))
+    add_flags(parser, "--quiet", "--no-verify")
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pflego.cli.compare import finished
 from pflego.cli.flags import (
     add_flag,
     add_flags,
@@ -54,6 +55,16 @@ def _resumable(out: Path) -> Interrupted:
     return Interrupted(f"interrupted; continue with `pflego run --resume {out}`")
 
 
+def _claim_out(out: Path, overwrite: bool) -> None:
+    """Refuse an ``--out`` that holds an experiment, tuning or report (a run there is
+    ``claim_run_dir``'s to refuse), or clear it with ``--overwrite``."""
+    from pflego.experiments.folders import check_out, clear_out, kind_of
+
+    if kind_of(out) not in (None, "run"):
+        check_out(out, "run", overwrite)
+        clear_out(out)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from pflego.config import load_config, to_dict
     from pflego.history import claim_run_dir, release_run_dir
@@ -87,6 +98,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     elif distributed(args.nproc):  # --nproc N, or one process torchrun started
         config = load_config(args.config, **settings_from_args(args))
         out = Path(args.out or config.out or default_out(config)).expanduser()
+        _claim_out(out, args.overwrite)
         try:
             history = run(
                 config, out, progress, args.overwrite, args.profile, args.nproc, args.threads
@@ -96,6 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         config = load_config(args.config, **settings_from_args(args))
         out = Path(args.out or config.out or default_out(config)).expanduser()
+        _claim_out(out, args.overwrite)
         created = claim_run_dir(out, to_dict(config), args.overwrite)
         profile = Profile(startup=process_age()) if args.profile else None
         try:
@@ -130,7 +143,13 @@ def cmd_run_seeds(args: argparse.Namespace) -> int:
     root = args.out or Path("runs") / f"{settings.get('algorithm', 'pflego')}-seeds-{stamp()}"
     try:
         report = run_seeds(
-            args.config, seeds, root, not args.quiet, workers=workers_from_args(args), **settings
+            args.config,
+            seeds,
+            root,
+            not args.quiet,
+            workers=workers_from_args(args),
+            overwrite=args.overwrite,
+            **settings,
         )
     except KeyboardInterrupt:
         return interrupted_experiment(
@@ -138,7 +157,7 @@ def cmd_run_seeds(args: argparse.Namespace) -> int:
         )
     print(report.summary())
     print(f"\nreport.md, report.csv, report.png and the runs seed-<s>/ in {root}")
-    return 0
+    return finished(report)
 
 
 def add_command(sub: Any) -> None:

@@ -73,6 +73,10 @@ class Report:
             lines.append(f"(final value: {window_text(spans.pop())}, round 0 never included)")
         return "\n".join(lines).strip("\n")
 
+    def unfinished(self) -> list[str]:
+        """The rows some of whose runs did not finish (diverged, failed, stopped), marked so."""
+        return [row.marked for row in self.rows if row.marked != row.label]
+
     def text(self, fmt_: str) -> str:
         if fmt_ not in FORMATS:
             raise ConfigError(f"--format {fmt_!r} is not one of {', '.join(FORMATS)}")

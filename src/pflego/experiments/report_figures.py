@@ -8,6 +8,7 @@ figure is drawn.
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -31,18 +32,16 @@ def mean_curve(row: RowResult, key: str) -> tuple[list[int], np.ndarray, np.ndar
     return rounds, values.mean(0), std
 
 
-def plain_log_axis(ax) -> None:
-    """Log-scale y with plain tick labels (0.1, 1): mathtext labels cost seconds per figure."""
-    from matplotlib import ticker
-
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(ticker.LogFormatter())
-    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+#: A metric panel gets an inset of its last rounds when the rows' final values lie closer than
+#: this (percentage points for accuracies), which a full-range axis cannot show.
+CLOSE = 1.0
 
 
 def plot_curves(plan: Plan, rows: list[RowResult], path: Path) -> Path:
-    """Training loss and the metric against rounds: a column per block, mean ± std over seeds."""
-    from pflego.plots import pyplot
+    """Training loss and the metric against rounds: a column per block, with a ± std band over
+    seeds where there are several, and an inset of the last rounds where the rows' final values
+    differ by less than :data:`CLOSE`."""
+    from pflego.plots import loss_axis, pyplot, round_axis
 
     plt = pyplot()
 
@@ -51,24 +50,28 @@ def plot_curves(plan: Plan, rows: list[RowResult], path: Path) -> Path:
     fig, axes = plt.subplots(2, len(blocks), figsize=(5 * len(blocks), 7), squeeze=False)
     for column, block in enumerate(blocks):
         ax_loss, ax_metric = axes[0, column], axes[1, column]
+        losses: list[float] = []
+        curves = []
         for row in by_block[block]:
-            for ax, key, scale in (
-                (ax_loss, "train_loss", 1.0),
-                (ax_metric, row.metric, 100.0 if M.is_accuracy(row.metric) else 1.0),
-            ):
+            scale = 100.0 if M.is_accuracy(row.metric) else 1.0
+            for ax, key, factor in ((ax_loss, "train_loss", 1.0), (ax_metric, row.metric, scale)):
                 rounds, mean, std = mean_curve(row, key)
                 if not rounds:
                     continue
-                (line,) = ax.plot(rounds, scale * mean, label=row.label)
+                (line,) = ax.plot(rounds, factor * mean, label=row.marked)
                 ax.fill_between(
                     rounds,
-                    scale * (mean - std),
-                    scale * (mean + std),
+                    factor * (mean - std),
+                    factor * (mean + std),
                     color=line.get_color(),
                     alpha=0.2,
                 )
+                if ax is ax_loss:
+                    losses += list(mean)
+                else:
+                    curves.append((rounds, factor * mean, line.get_color(), row))
         metrics = sorted({r.metric for r in by_block[block]})
-        plain_log_axis(ax_loss)
+        loss_axis(ax_loss, losses)
         ax_loss.set(
             title=block_title(plan, block) if len(blocks) > 1 or block != ALL else "",
             xlabel="round",
@@ -76,13 +79,57 @@ def plot_curves(plan: Plan, rows: list[RowResult], path: Path) -> Path:
         )
         ax_metric.set(xlabel="round", ylabel=", ".join(f"{m}{unit(m)}" for m in metrics))
         for ax in (ax_loss, ax_metric):
+            round_axis(ax)
             ax.grid(alpha=0.3)
             ax.legend(fontsize="small")
-    fig.suptitle(f"{plan.name}: mean over seeds, band ± std")
+        close_inset(ax_metric, curves)
+    several = max((len(r.seeds) for r in rows), default=1) > 1
+    title = plan.name + (": mean over seeds, band ± std" if several else "")
+    fig.suptitle("\n".join(textwrap.wrap(title, 45 * len(blocks))))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def close_rows(rows: list[RowResult]) -> list[int]:
+    """The indices of the rows whose final value lies within :data:`CLOSE` of another's."""
+    finals = [r.stat("final")[0] * (100.0 if M.is_accuracy(r.metric) else 1.0) for r in rows]
+    finite = [(i, v) for i, v in enumerate(finals) if math.isfinite(v)]
+    return [i for i, a in finite if any(j != i and abs(a - b) < CLOSE for j, b in finite)]
+
+
+def close_inset(ax, curves: list[tuple[list[int], np.ndarray, str, RowResult]]) -> None:
+    """An inset of the evaluations that the final values average, for the rows whose final values
+    lie within :data:`CLOSE` of each other (where the panel spans ten times more)."""
+    near = close_rows([row for *_, row in curves])
+    if not near:
+        return
+    last = max(max(rounds) for rounds, *_ in curves)
+    windows = [s.window for i in near for s in curves[i][3].seeds if s.window]
+    final_from = min((w[1] for w in windows), default=last)  # the final value's evaluations
+    tail = [
+        [(t, v) for t, v in zip(*curves[i][:2]) if t >= final_from and math.isfinite(v)]
+        for i in near
+    ]
+    fitted = [v for points in tail for _, v in points]
+    spread = max(fitted, default=0.0) - min(fitted, default=0.0)
+    low, high = ax.get_ylim()
+    if spread == 0 or high - low < 10 * spread:
+        return
+    inset = ax.inset_axes([0.45, 0.12, 0.5, 0.4])
+    for i, points in zip(near, tail):
+        inset.plot(*zip(*points), color=curves[i][2], marker="o")
+    margin = max(0.5, 0.05 * last)
+    inset.set(
+        ylim=(min(fitted) - 0.2 * spread, max(fitted) + 0.2 * spread),
+        xlim=(final_from - margin, last + margin),
+        xticks=sorted({t for points in tail for t, _ in points}),
+    )
+    span = f"round {last}" if final_from == last else f"rounds {final_from}–{last}"
+    inset.set_title(f"{span} (the final value's), zoomed", fontsize=8)
+    inset.tick_params(labelsize=7)
+    inset.grid(alpha=0.3)
 
 
 def plot_sweep(plan: Plan, rows: list[RowResult], path: Path) -> Path:

@@ -154,6 +154,11 @@ def render_markdown(plan: Plan, rows: list[RowResult], target_acc: float | None)
     return "\n".join(lines).rstrip() + "\n"
 
 
+def several_seeds(rows: list[RowResult]) -> bool:
+    """Whether some row ran with more than one seed (else no ± and no "mean over seeds")."""
+    return max((len(r.seeds) for r in rows), default=1) > 1
+
+
 def definitions(plan: Plan, rows: list[RowResult], target_acc: float | None) -> list[str]:
     """The paragraph that says what every number is."""
     metrics = sorted({r.metric for r in rows})
@@ -167,28 +172,31 @@ def definitions(plan: Plan, rows: list[RowResult], target_acc: float | None) -> 
         "**What is measured.** "
         + "; ".join(parts)
         + f". The final value is the {final}; round 0 (the untrained model) is never included. "
-        "± is the sample standard deviation over seeds. Bottom decile: the 10th percentile of "
+        + ("± is the sample standard deviation over seeds. " if several_seeds(rows) else "")
+        + "Bottom decile: the 10th percentile of "
         "the clients' accuracies; sample-weighted: clients weighted by their test samples; "
         "training loss L(ψ) = Σ_i α_i ℓ_i over all training clients; training time excludes "
         "evaluation. Accuracies in percent (metrics.jsonl and report.csv store fractions under "
         "the same names); differences in percentage points (pp)."
     )
+    several = several_seeds(rows)
     if any(s.best_val for r in rows for s in r.seeds):
         text += (
             ' "At the best-validation round": the test value at the evaluation with the highest '
-            "validation accuracy (mean over seeds; the rounds chosen are listed), never the best "
-            "test round."
+            f"validation accuracy ({'mean over seeds; ' if several else ''}the rounds chosen are "
+            "listed), never the best test round."
         )
     if target_acc is not None:
         text += (
             f' "Rounds to {100 * target_acc:g}%": the first evaluated round whose value reaches '
-            "it (evaluations every `eval_every` rounds), mean over the seeds that reach it."
+            "it (evaluations every `eval_every` rounds)"
+            + (", mean over the seeds that reach it." if several else ".")
         )
     if any(s.gain for r in rows for s in r.seeds):
         text += (
             ' "Gain over local": each client\'s final value minus its final value in the `local` '
-            "row's run of the same partition and seed; mean and standard deviation over clients "
-            "(averaged over seeds)."
+            "row's run of the same partition and seed; mean and standard deviation over clients"
+            + (" (averaged over seeds)." if several else ".")
         )
     if any(s.costs for r in rows for s in r.seeds):
         text += (
@@ -253,7 +261,7 @@ def extra_paper_section(plan: Plan, rows: list[RowResult]) -> list[str]:
                 continue
             ours = ours_quantity(row, quantity)
             scale = 100 if M.is_accuracy(quantity) or quantity == "gain_over_local" else 1
-            cells.append([row.block, row.label, quantity, f"{paper:g}", f"{scale * ours:.3g}"])
+            cells.append([row.block, row.marked, quantity, f"{paper:g}", f"{scale * ours:.3g}"])
     if not cells:
         return []
     lines = ["## Other quantities the paper reports", ""]
@@ -275,7 +283,7 @@ def group_section(plan: Plan, rows: list[RowResult]) -> list[str]:
                 values = M.group_values(s.path, row.metric, row.settings["average_last"])
                 for group, value in values.items():
                     ours.setdefault(group, []).append(value)
-        line = [row.label]
+        line = [row.marked]
         for group in groups:
             paper = plan.paper_groups[group].get(row.name, {}).get(row.metric)
             mine = float(np.mean(ours[group])) if group in ours else math.nan
@@ -284,7 +292,8 @@ def group_section(plan: Plan, rows: list[RowResult]) -> list[str]:
     lines = [
         "## Per natural group",
         "",
-        "Ours: the mean over each group's clients, averaged over seeds.",
+        "Ours: the mean over each group's clients"
+        + (", averaged over seeds." if several_seeds(rows) else "."),
         "",
     ]
     return lines + md_table(header, cells) + [""]

@@ -64,6 +64,16 @@ class RowResult:
         return self.name if self.sweep is None else f"{self.name} ({self.sweep_label})"
 
     @property
+    def marked(self) -> str:
+        """The label with what kept runs from finishing, as every table and legend shows it:
+        ``fedavg (diverged)``, ``fedavg (diverged in 1 of 3 seeds)``."""
+        bad = [s.status.split(" ")[0] for s in self.seeds if s.status != "done"]
+        if not bad:
+            return self.label
+        count = "" if len(bad) == len(self.seeds) else f" in {len(bad)} of {len(self.seeds)} seeds"
+        return f"{self.label} ({', '.join(dict.fromkeys(bad))}{count})"
+
+    @property
     def sweep_label(self) -> str:
         """``inner_steps=5`` for a sweep row, else empty."""
         return "" if self.sweep is None else point_label({self.sweep_key: self.sweep})

@@ -45,7 +45,7 @@ def main_table(rows: list[RowResult], has_paper: bool) -> tuple[list[str], list[
     cells = []
     for row in rows:
         mean, std = row.stat("final")
-        name = row.label if metric else f"{row.label} [{row.metric}]"
+        name = row.marked if metric else f"{row.marked} [{row.metric}]"
         line = [name]
         if has_paper:
             line.append(paper_text(row.paper, row.paper_std))
@@ -79,7 +79,7 @@ def ranking_table(rows: list[RowResult]) -> tuple[list[str], list[list[str]]]:
         cells.append(
             [
                 str(rank),
-                row.label if metric else f"{row.label} [{row.metric}]",
+                row.marked if metric else f"{row.marked} [{row.metric}]",
                 fmt_stat(*row.stat("final"), row.metric),
                 fmt_stat(*row.stat("p10"), row.metric),
                 f"{row.stat('seconds')[0] / rounds:.3g}" if rounds else "—",
@@ -87,6 +87,44 @@ def ranking_table(rows: list[RowResult]) -> tuple[list[str], list[list[str]]]:
             ]
         )
     return header, cells
+
+
+#: The costs per round the more-measures table gives, with their scale (MB, GFLOP).
+COSTS = (
+    ("bytes_up_per_round", 1e6),
+    ("bytes_down_per_round", 1e6),
+    ("client_flops_per_round", 1e9),
+)
+
+
+def best_validation_cell(row: RowResult) -> str:
+    """The test value at the best-validation round (mean over seeds) and the rounds chosen."""
+    picks = row.best_validations()
+    if not picks:
+        return "—"
+    mean, std = mean_std([v for _, v in picks])
+    return f"{fmt_stat(mean, std, row.metric)} (round {', '.join(str(r) for r, _ in picks)})"
+
+
+def target_cell(row: RowResult) -> str:
+    """The rounds to the target (mean over the seeds that reach it)."""
+    reached = row.reached()
+    if not reached:
+        return "not reached"
+    text = f"{np.mean(reached):.0f}"
+    if len(reached) < len(row.seeds):
+        text += f" ({len(reached)} of {len(row.seeds)} seeds)"
+    return text
+
+
+def gain_cell(row: RowResult) -> str:
+    gain = row.gain()
+    return "—" if gain is None else f"{100 * gain[0]:+.2f} ± {100 * gain[1]:.2f}"
+
+
+def cost_cells(row: RowResult) -> list[str]:
+    costs = [(row.cost(key), scale) for key, scale in COSTS]
+    return ["—" if cost is None else f"{cost / scale:.3g}" for cost, scale in costs]
 
 
 def measures_table(
@@ -98,45 +136,23 @@ def measures_table(
     has_costs = any(s.costs for r in rows for s in r.seeds)
     if not (has_val or target_acc is not None or has_gain or has_costs):
         return None
-    header = ["algorithm"]
-    if has_val:
-        header.append("test value at the best-validation round (%)")
-    if target_acc is not None:
-        header.append(f"rounds to {100 * target_acc:g}%")
-    if has_gain:
-        header.append("gain over local (pp), mean ± std over clients")
-    if has_costs:
-        header += ["MB up per round", "MB down per round", "client GFLOP per round"]
-    cells = []
-    for row in rows:
-        line = [row.label]
-        if has_val:
-            picks = row.best_validations()
-            mean, std = mean_std([v for _, v in picks])
-            where = ", ".join(str(r) for r, _ in picks)
-            line.append(f"{fmt_stat(mean, std, row.metric)} (round {where})" if picks else "—")
-        if target_acc is not None:
-            reached = row.reached()
-            if not reached:
-                line.append("not reached")
-            else:
-                text = f"{np.mean(reached):.0f}"
-                if len(reached) < len(row.seeds):
-                    text += f" ({len(reached)} of {len(row.seeds)} seeds)"
-                line.append(text)
-        if has_gain:
-            gain = row.gain()
-            line.append("—" if gain is None else f"{100 * gain[0]:+.2f} ± {100 * gain[1]:.2f}")
-        if has_costs:
-            for key, scale in (
-                ("bytes_up_per_round", 1e6),
-                ("bytes_down_per_round", 1e6),
-                ("client_flops_per_round", 1e9),
-            ):
-                cost = row.cost(key)
-                line.append("—" if cost is None else f"{cost / scale:.3g}")
-        cells.append(line)
-    return header, cells
+    columns = [
+        (
+            has_val,
+            ["test value at the best-validation round (%)"],
+            lambda r: [best_validation_cell(r)],
+        ),
+        (
+            target_acc is not None,
+            [f"rounds to {100 * (target_acc or 0):g}%"],
+            lambda r: [target_cell(r)],
+        ),
+        (has_gain, ["gain over local (pp), mean ± std over clients"], lambda r: [gain_cell(r)]),
+        (has_costs, ["MB up per round", "MB down per round", "client GFLOP per round"], cost_cells),
+    ]
+    shown = [(names, cells) for on, names, cells in columns if on]
+    header = ["algorithm"] + [name for names, _ in shown for name in names]
+    return header, [[row.marked] + [c for _, cells in shown for c in cells(row)] for row in rows]
 
 
 def seed_table(rows: list[RowResult]) -> tuple[list[str], list[list[str]]]:

@@ -15,10 +15,18 @@ from typing import Any
 
 from pflego.config import load_config, to_dict
 from pflego.errors import ConfigError
-from pflego.experiments.parallel import Workers
-from pflego.experiments.presets import DEFAULT_METRIC, Preset, Row, grid_points, load_preset
+from pflego.experiments.folders import check_out, clear_out
+from pflego.experiments.parallel import RunsFailedError, Workers
+from pflego.experiments.presets import (
+    DEFAULT_METRIC,
+    Preset,
+    Row,
+    grid_points,
+    load_preset,
+    point_label,
+)
 from pflego.experiments.report import Report, write_report
-from pflego.experiments.runs import MANIFEST, build_plan, check_data, execute, read_manifest
+from pflego.experiments.runs import Plan, build_plan, check_data, execute, read_manifest
 from pflego.experiments.tune import Tuning, run_tuning
 from pflego.history import History
 
@@ -54,6 +62,7 @@ def reproduce(
     rows: list[str] | None = None,
     progress: bool = True,
     workers: Workers | None = None,
+    overwrite: bool = False,
 ) -> Report:
     """Run a preset's experiment (or finish an interrupted one) and write its report.
 
@@ -76,6 +85,8 @@ def reproduce(
         rows: Only these rows (default all).
         progress: Progress bars and a line per run.
         workers: Run the runs in parallel processes (``--jobs``, ``--devices``).
+        overwrite: Replace whatever pflego wrote in ``out`` (by default a folder that holds
+            anything but this preset's reproduction is refused).
 
     Returns:
         The report (also written as ``report.md``, ``report.csv``, ``report.png``).
@@ -89,6 +100,7 @@ def reproduce(
     if data_dir is not None:
         extra["data_dir"] = str(data_dir)
     root = Path(out) if out else default_reproduce_out(preset.name, quick, offline, tune)
+    check_out(root, "reproduction", overwrite, continues=True, name=preset.name)
     preset, skipped = blocks_with_data(preset, extra, quick, offline, blocks)
     plan = build_plan(preset, "reproduce", seeds, quick, offline, extra)  # checks every config
     tunings = (
@@ -97,6 +109,8 @@ def reproduce(
     for _, _, job in tunings:
         check_data(job.plan())  # every grid point and its validation split, before training
     check_data(plan)
+    if overwrite:
+        clear_out(root)
     tuned: dict[str, dict[str, Any]] = {}
     for block, row, job in tunings:
         choice = run_tuning(job, progress, data_checked=True, workers=workers)
@@ -113,9 +127,12 @@ def reproduce(
             f"rounds on tuning seeds {', '.join(map(str, job.seeds))}."
         )
     plan.notes += skipped
+    forms = [
+        f for f, on in (("quick form", quick and preset.quick), ("offline form", offline)) if on
+    ]
+    relabel(plan, preset, extra, forms)
     plan.target_acc = target_acc if target_acc is not None else preset.target_acc
-    execute(plan, root, progress, workers)
-    return write_report(root)
+    return execute_and_report(plan, root, progress, workers)
 
 
 def blocks_with_data(
@@ -187,9 +204,58 @@ def tuning_jobs(
     return jobs
 
 
-def comparison_preset(source: str | Path | None, algorithms: list[str] | None) -> Preset:
-    """The comparison file (default the main experiment), restricted or extended to ``algorithms``."""
-    preset = load_preset(source if source is not None else MAIN_PRESET)
+def relabel(plan: Plan, preset: Preset, changed: dict[str, Any], forms: list[str]) -> None:
+    """Name the plan after its preset only when the preset ran unchanged: else its name and
+    description say what ran (``main, quick form, rounds=3``) and what was changed."""
+    shown = {k: v for k, v in changed.items() if k != "data_dir"}
+    if not shown and not forms:
+        return
+    what = forms + ([f"set {point_label(shown)}"] if shown else [])
+    plan.name = f"{preset.name}, {', '.join(what)}"
+    plan.description = "not the preset as published: " + "; ".join(what)
+
+
+def comparison_label(plan: Plan, source: str, changed: dict[str, Any]) -> None:
+    """A comparison that is not its file's as written is named by what ran: ``compare:
+    fedavg, pflego on mnist, 20 clients, 3 rounds``, described by what was changed."""
+    config = plan.runs[0].config
+    rows = ", ".join(row["name"] for row in plan.rows)
+    plan.name = (
+        f"compare: {rows} on {config['dataset']}, {config['clients']} clients, "
+        f"{config['rounds']} rounds"
+    )
+    shown = {k: v for k, v in changed.items() if k != "data_dir"}
+    plan.description = f"{source}'s settings" + (f" with {point_label(shown)}" if shown else "")
+
+
+#: The settings a comparison file's rows tune for its dataset alone.
+STEP_SIZES = ("client_lr", "server_lr")
+
+
+def on_dataset(preset: Preset, dataset: str | None) -> tuple[Preset, list[str]]:
+    """The preset on another ``dataset`` than the one it names: its rows' step sizes were chosen
+    for its own, so each algorithm runs with its library defaults (as ``pflego run`` does), and a
+    note says so."""
+    if preset.settings.get("dataset") in (None, dataset):
+        return preset, []
+    rows = {
+        name: dataclasses.replace(
+            row, settings={k: v for k, v in row.settings.items() if k not in STEP_SIZES}
+        )
+        for name, row in preset.rows.items()
+    }
+    if rows == preset.rows:
+        return preset, []
+    note = (
+        f"Step sizes: {preset.name}'s were chosen on {preset.settings.get('dataset')}; on "
+        f"{dataset} every algorithm runs with its own defaults (`pflego list`) unless "
+        "--client-lr / --server-lr set them."
+    )
+    return dataclasses.replace(preset, rows=rows), [note]
+
+
+def comparison_preset(preset: Preset, algorithms: list[str] | None) -> Preset:
+    """A comparison file's preset, restricted or extended to ``algorithms``."""
     if algorithms is None:
         return preset
     if not algorithms:
@@ -207,6 +273,7 @@ def compare(
     seeds: list[int] | None = None,
     resume: str | Path | None = None,
     target_acc: float | None = None,
+    overwrite: bool = False,
     **overrides: Any,
 ) -> tuple[str, dict[str, History]]:
     """Run several algorithms on one setting; write ``comparison.md``, ``.csv`` and ``.png``.
@@ -227,6 +294,8 @@ def compare(
         resume: Finish the interrupted comparison in this directory instead (nothing finished is
             run again).
         target_acc: Accuracy (fraction) whose first round the table gives.
+        overwrite: Replace whatever pflego wrote in ``out`` (by default a folder that holds
+            anything of pflego's is refused).
         **overrides: Settings for every row.
 
     Returns:
@@ -236,18 +305,19 @@ def compare(
         root = Path(resume)
         plan = read_manifest(root)
     else:
-        preset = comparison_preset(source, algorithms)
+        written = load_preset(source if source is not None else MAIN_PRESET)
+        preset, notes = on_dataset(comparison_preset(written, algorithms), overrides.get("dataset"))
         plan = build_plan(preset, "compare", seeds, overrides=overrides, seed_dirs=False)
+        plan.notes += notes
+        if list(preset.rows) != list(written.rows) or set(overrides) - {"data_dir"}:
+            comparison_label(plan, preset.name, overrides)
         plan.target_acc = target_acc
         root = Path(out) if out else Path("runs") / f"compare-{stamp()}"
-        if (root / MANIFEST).is_file():
-            raise ConfigError(
-                f"{root} already holds a comparison; finish it with `pflego compare --resume {root}` "
-                "or choose another --out"
-            )
+        check_out(root, "comparison", overwrite)
     check_data(plan)
-    execute(plan, root, progress, workers)
-    report = write_report(root, target_acc=target_acc, stem="comparison")
+    if overwrite and resume is None:
+        clear_out(root)
+    report = execute_and_report(plan, root, progress, workers, target_acc, "comparison")
     histories = {}
     for spec in plan.rows:
         first = plan.runs_of(next(iter(plan.blocks)), spec["name"], plan.sweep_values()[0])[0]
@@ -261,9 +331,11 @@ def run_seeds(
     out: str | Path | None = None,
     progress: bool = True,
     workers: Workers | None = None,
+    overwrite: bool = False,
     **overrides: Any,
 ) -> Report:
-    """One setting with several seeds: ``<out>/seed-<s>/`` and a report over them."""
+    """One setting with several seeds: ``<out>/seed-<s>/`` and a report over them (``overwrite``:
+    replace whatever pflego wrote in ``out``, else refused)."""
     settings = to_dict(load_config(config, **overrides))
     algorithm = settings["algorithm"]
     preset = Preset(
@@ -273,8 +345,26 @@ def run_seeds(
     )
     plan = build_plan(preset, "seeds", seeds, row_dirs=False)
     root = Path(out) if out else Path("runs") / f"{algorithm}-{settings['dataset']}-seeds-{stamp()}"
-    if (root / MANIFEST).is_file():
-        raise ConfigError(f"{root} already holds runs; choose another --out")
+    check_out(root, "run over seeds", overwrite)
     check_data(plan)
-    execute(plan, root, progress, workers)
-    return write_report(root)
+    if overwrite:
+        clear_out(root)
+    return execute_and_report(plan, root, progress, workers)
+
+
+def execute_and_report(
+    plan: Plan,
+    root: Path,
+    progress: bool,
+    workers: Workers | None,
+    target_acc: float | None = None,
+    stem: str = "report",
+) -> Report:
+    """Run the plan's unfinished runs and write its report, also when some runs failed (the
+    report marks them; :class:`RunsFailedError` follows)."""
+    try:
+        execute(plan, root, progress, workers)
+    except RunsFailedError:
+        write_report(root, target_acc=target_acc, stem=stem)
+        raise
+    return write_report(root, target_acc=target_acc, stem=stem)

@@ -320,6 +320,7 @@ def tune(
     out: str | Path | None = None,
     progress: bool = True,
     workers: Workers | None = None,
+    overwrite: bool = False,
 ) -> tuple[dict[str, Any], str]:
     """``pflego tune``: run a grid on validation data, choose, rerun the choice on ``seeds``.
 
@@ -333,11 +334,14 @@ def tune(
             and their report).
         progress: Progress bars.
         workers: Run the runs in parallel processes (``--jobs``, ``--devices``).
+        overwrite: Replace whatever pflego wrote in ``out`` (by default a folder that holds
+            anything of pflego's but a tuning to finish is refused).
 
     Returns:
         The choice (see :func:`run_tuning`) and the final runs' main table.
     """
     from pflego.config import load_config, to_dict
+    from pflego.experiments.folders import check_out, clear_out
     from pflego.experiments.report import write_report
 
     base = to_dict(load_config(settings))
@@ -355,8 +359,11 @@ def tune(
         DEFAULT_METRIC,
         f"Tuning {algorithm} on {base['dataset']}",
     )
+    check_out(root, "tuning", overwrite, continues=True)
     grid_plan = job.plan()  # checks every point before anything trains
     check_data(grid_plan)
+    if overwrite:
+        clear_out(root)
     choice = run_tuning(job, progress, data_checked=True, workers=workers)
     final = Preset(
         name=f"{algorithm} with the tuned setting",

@@ -14,6 +14,7 @@ overrides it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -279,7 +280,8 @@ class DivergenceCheck(Callback):
             self.warned = True
             tqdm.write(
                 f"pflego: warning: the training loss grew from {first:.4g} to "
-                f"{loss:.4g} by round {completed}; the step sizes may be too large"
+                f"{loss:.4g} by round {completed}; the step sizes may be too large",
+                file=sys.stderr,
             )
         losses = [r["train_loss"] for r in self.run.records]
         if self.stop and loss_diverged(losses, divergence_threshold(first, self.classes)):
