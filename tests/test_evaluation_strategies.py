@@ -3,6 +3,9 @@ that apply give the same metrics."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -38,7 +41,7 @@ def columns(
     states = sim.states(everyone, sim.downlink(ctx, everyone), ctx)
     evaluator = metrics.Evaluator(sim.algorithm, sim.pools, everyone, sim.personalization(1), 3)
     if forced is not None:
-        strategy = getattr(evaluator, forced)
+        strategy = getattr(metrics.Evaluator, forced)
         evaluator.choices = {view: (strategy, strategy) for view in evaluator.views}
     downlink_for = lambda ids: sim.downlink(ctx, ids, True)  # noqa: E731
     return evaluator.columns(downlink_for, states), evaluator
@@ -94,3 +97,18 @@ def test_strategies_give_the_same_metrics(
     assert other.keys() == chosen.keys()
     for key, value in chosen.items():
         np.testing.assert_allclose(other[key], value, rtol=0, atol=1e-12, err_msg=key)
+
+
+def test_an_evaluation_frees_its_features_without_the_cycle_collector(monkeypatch) -> None:
+    """The pool's shared features and logits go with the evaluation (no reference cycle keeps
+    them to the next garbage collection, past the next evaluation's allocations)."""
+    sim = trained("fedper")
+    gc.disable()
+    try:
+        _, evaluator = columns(sim, 10**9, monkeypatch)
+        assert evaluator.bodies  # the shared body's features, computed once
+        freed = weakref.ref(evaluator)
+        del evaluator
+        assert freed() is None
+    finally:
+        gc.enable()

@@ -49,8 +49,10 @@ DownlinkFor = Callable[[np.ndarray], Params]
 AdaptInputs = Callable[[np.ndarray], ClientData]
 AdaptClients = Callable[[np.ndarray], list[ClientData]]
 Metrics = tuple[Tensor, Tensor]
-#: A strategy: the losses and accuracies ``[C]`` of one view of a chunk's clients on one split.
-Strategy = Callable[["Chunk", str, str], Metrics]
+#: A strategy: an :class:`Evaluator`'s losses and accuracies ``[C]`` of one view of a chunk's
+#: clients on one split (unbound: an evaluator holding its own bound methods would be a
+#: reference cycle, its features and logits kept until the cyclic garbage collector runs).
+Strategy = Callable[["Evaluator", "Chunk", str, str], Metrics]
 
 
 @dataclass(frozen=True)
@@ -114,10 +116,15 @@ def one_by_one(device: torch.device, sizes: np.ndarray) -> bool:
 
 
 def _client_metrics(
-    predict: Callable[..., Tensor], downlink: Params, state: ClientState, *rows: Tensor
+    predict: Callable[..., Tensor],
+    downlink: Params,
+    state: ClientState,
+    x: Tensor,
+    y: Tensor,
+    mask: Tensor,
+    lmask: Tensor,
 ) -> Metrics:
-    """:func:`logit_metrics` of one client's ``predict`` on ``rows``: ``x, y, mask, lmask``."""
-    x, y, mask, lmask = rows
+    """:func:`logit_metrics` of one client's ``predict`` on inputs ``x``."""
     return logit_metrics(predict(downlink, state, x), y, mask, lmask)
 
 
@@ -245,6 +252,9 @@ class Evaluator:
     - :meth:`vmapped_models` / :meth:`client_by_client`: each client's whole model on its rows;
     - :meth:`vmapped_heads` / :meth:`heads_client_by_client`: each client's head on the shared
       body's features, computed once.
+
+    A chunk evaluated one by one personalizes one by one too, each client on its own training
+    rows (:func:`personalized`); other chunks personalize vmapped on padded training data.
     """
 
     def __init__(
@@ -310,10 +320,10 @@ class Evaluator:
         downlink_head = heads and type(algorithm).predict_head is Algorithm.predict_head
         empty = personal and not keys and self.rowwise and not self.per_client
         if view in self.once or empty or (downlink_head and not _has(keys, "head.")):
-            return self.pooled_logits, self.pooled_logits
+            return Evaluator.pooled_logits, Evaluator.pooled_logits
         if heads:
-            return self.vmapped_heads, self.heads_client_by_client
-        return self.vmapped_models, self.client_by_client
+            return Evaluator.vmapped_heads, Evaluator.heads_client_by_client
+        return Evaluator.vmapped_models, Evaluator.client_by_client
 
     def columns(self, downlink_for: DownlinkFor, states: ClientState) -> dict[str, np.ndarray]:
         """Per-client losses and accuracies of every view on every split, chunk by chunk."""
@@ -324,7 +334,7 @@ class Evaluator:
                 self.choices = {view: self.choose(view, chunk.keys(view)) for view in self.views}
             for split in self.pools:
                 for view in self.views:
-                    loss, acc = self.choices[view][chunk.one_by_one](chunk, split, view)
+                    loss, acc = self.choices[view][chunk.one_by_one](self, chunk, split, view)
                     suffix = f"_{view}" if view else ""
                     for name, value in ((f"loss{suffix}", loss), (f"acc{suffix}", acc)):
                         column = columns.setdefault(
