@@ -69,7 +69,7 @@ def stochastic_gradient(
     sim.store.tensors = {k: v.clone() for k, v in start["store"].items()}
     before = snapshot(sim)
     if cohort is not None:
-        sim.cohort = lambda _t: cohort
+        sim.sampling.cohort = lambda _t: cohort
     sim.run_round(t)
     after = snapshot(sim)
     return {k: (before[k] - after[k]) / RHO for k in before}
@@ -242,7 +242,7 @@ def uniform_count_mean(sim: Simulation, start: dict, context_size) -> dict[str, 
     mean: dict[str, torch.Tensor] = {}
     for r in counts:
         cohorts = list(itertools.combinations(range(sim.exp.data.num_clients), r))
-        sim.cohort_count = lambda t, rng=None, r=r: context_size(r)
+        sim.sampling.cohort_count = lambda t, rng=None, r=r: context_size(r)
         for cohort in cohorts:
             step = stochastic_gradient(sim, start, list(cohort))
             mean = tree.axpy(1 / len(counts) / len(cohorts), step, mean or tree.zeros_like(step))

@@ -1,12 +1,15 @@
-"""The README's examples run as written, so the README cannot drift from the code.
+"""The README's examples, and those of docs/cli.md (the command line in full), run as written,
+so neither can drift from the code; the README's tables are those its results print.
 
-Every ``pflego ...`` line of its ``bash`` blocks runs in order in an empty folder, with
+Every ``pflego ...`` line of a page's ``bash`` blocks runs in order in an empty folder, with
 ``~/data`` pointing at small files in the official MNIST format and with fewer rounds and local
 steps (``shrink``); ``pflego flower`` (daemons) and ``pflego bench`` (minutes) are only parsed
 here, and the bench and the smallest Flower try run in the slow tier. A ``pflego reproduce`` of a
 paper's experiment (hours) is parsed and its preset's every run checked, without training; its
 ``--quick`` and ``--list`` forms run. The console examples (``$ pflego ...`` and the line it
-prints) must print exactly that line, and the Python block runs too.
+prints) must print exactly that line, and the README's Python block runs too. The README stays
+under 200 lines, keeps the test command that ``.ci/run`` reads, names every registered method,
+and its main table equals what ``benchmarks/readme_table.py`` prints from ``results/main``.
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ import numpy as np
 import pytest
 from data_formats import mnist_arrays, write_idx_set
 
+from pflego.algorithms import ALGORITHMS
 from pflego.cli import build_parser, main
 from pflego.config import TRACKERS
 from pflego.experiments.presets import load_preset
 from pflego.experiments.runs import build_plan
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+#: The pages whose examples run: the README and the command line in full.
+PAGES = [README, ROOT / "docs" / "cli.md"]
 #: Commands that start daemons or take minutes: parsed only in the default tier.
 HEAVY = ("flower", "bench")
 
@@ -55,15 +62,16 @@ def fewer(rounds: int) -> int:
 
 
 def hugging_face_folder(folder: Path) -> Path:
-    """The README's ``hf:./my-set``: a small tabular set of 60 writers saved with save_to_disk."""
+    """docs/cli.md's ``hf:./my-set``: a small tabular set of 12 writers (fewer than the default
+    50 clients) saved with save_to_disk."""
     import datasets
 
     if not folder.exists():
         rng = np.random.default_rng(0)
-        n = 600
+        n = 240
         table = {f"x{j}": rng.normal(size=n).tolist() for j in range(4)}
         table["label"] = rng.integers(0, 3, n).tolist()
-        table["writer_id"] = [f"w{i % 60}" for i in range(n)]
+        table["writer_id"] = [f"w{i % 12}" for i in range(n)]
         datasets.Dataset.from_dict(table).save_to_disk(str(folder))
     return folder
 
@@ -113,10 +121,10 @@ def session(tmp_path, monkeypatch, cache):
     return tmp_path / "data"
 
 
-def test_readme_command_lines_run(session, capsys):
-    text = README.read_text()
-    commands = bash_commands(text)
-    assert len(commands) >= 10
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_readme_command_lines_run(page, session, capsys):
+    commands = bash_commands(page.read_text())
+    assert len(commands) >= 5
     parser = build_parser()
     for argv in commands:
         args = shrink(argv, session)
@@ -133,7 +141,7 @@ def test_readme_command_lines_run(session, capsys):
 
 
 def test_readme_console_examples_print_what_it_shows(session, capsys):
-    examples = console_examples(README.read_text())
+    examples = [example for page in PAGES for example in console_examples(page.read_text())]
     assert examples
     for argv, printed in examples:
         main(argv[1:])
@@ -152,7 +160,7 @@ def test_readme_python_example_runs(session, capsys):
 def test_readme_heavy_commands_run(session, capsys):
     """``pflego bench`` on the small MNIST files, and the smallest ``pflego flower local``."""
     pytest.importorskip("flwr")
-    for argv in bash_commands(README.read_text()):
+    for argv in [argv for page in PAGES for argv in bash_commands(page.read_text())]:
         args = shrink(argv, session)
         if args[0] == "bench":
             args += ["--rounds", "1", "--taus", "5", "--memory-clients", "200"]
@@ -162,3 +170,50 @@ def test_readme_heavy_commands_run(session, capsys):
             continue
         code = main(args)
         assert code == 0, f"{shlex.join(argv)} -> {capsys.readouterr().err}"
+
+
+def test_readme_fits_on_a_screen_and_keeps_the_ci_test_command():
+    lines = README.read_text().splitlines()
+    assert len(lines) < 200
+    heading = lines.index("# 2. install, then run the tests")
+    command = 'pip install torch==2.13.0 -e ".[dev,flower,dp,hf]" && python -m pytest'
+    assert lines[heading + 1] == command
+
+
+def test_readme_names_every_method_and_counts_them():
+    text = README.read_text()
+    listed = re.findall(r"`([a-z0-9+-]+)`", text.split("## Methods")[1].split("\n## ")[0])
+    assert sorted(listed) == sorted(ALGORITHMS)
+    for page in (README, ROOT / "docs" / "algorithms.md"):
+        counts = {int(n) for n in re.findall(r"(\d+) methods", page.read_text())}
+        assert counts == {len(ALGORITHMS)}, page.name
+
+
+def readme_table():
+    """``benchmarks/readme_table.py``, imported."""
+    spec = importlib.util.spec_from_file_location(
+        "readme_table", ROOT / "benchmarks" / "readme_table.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def markdown_table(text: str, header: str) -> str:
+    """The table of ``text`` whose first line starts with ``header``."""
+    start = text.index(header)
+    end = text.find("\n\n", start)
+    return text[start : end if end >= 0 else None].strip()
+
+
+def test_readme_tables_are_what_the_committed_results_print():
+    """The README's main table and the leaderboard of docs/experiments.md equal, to the last
+    digit, what ``benchmarks/readme_table.py`` prints from the committed runs."""
+    tables = readme_table()
+    main_table = tables.table(ROOT / "results" / "main")
+    assert markdown_table(README.read_text(), "| algorithm | test_acc") == main_table
+    assert "python benchmarks/readme_table.py results/main" in README.read_text()
+    board = tables.ranked(ROOT / "results" / "leaderboard-mnist-offline")
+    experiments = (ROOT / "docs" / "experiments.md").read_text()
+    assert markdown_table(experiments, "| rank | method |") == board
+    assert "| 1 | fedphp | 97.31 | 93.83 | 22 | fedbabu | 93.83 | 87.36 |" in board

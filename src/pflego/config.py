@@ -1,7 +1,8 @@
 """Experiment configuration: one frozen dataclass, loaded from YAML, dicts or CLI overrides.
 
-Every check happens here, before any data is loaded, and fails with a one-line message that
-names the setting and the fix.
+Each setting is declared once, as a field with its meaning and rule (:mod:`pflego.fields`);
+:meth:`Config.validate` checks those rules and the rules between settings, before any data is
+loaded, and fails with a one-line message that names the setting and the fix.
 """
 
 from __future__ import annotations
@@ -10,13 +11,25 @@ import dataclasses
 import math
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from pflego.errors import ConfigError
+from pflego.fields import (
+    Rule,
+    between,
+    check_value,
+    non_negative,
+    one_of,
+    positive,
+    positive_number,
+    positive_or_unset,
+    rule_of,
+    setting,
+)
 
 SAMPLING = ("fixed", "bernoulli", "uniform-count")
 LABELS = ("global", "local")
@@ -29,72 +42,171 @@ DATASET_SETTINGS = ("hf_label", "hf_features", "hf_client", "hf_coarse")
 DIVERGENCE = ("stop", "warn")
 MAX_SEED = 2**62  # seeds are offset and passed to torch generators, which take 64-bit integers
 MAX_COUNT = 2**31 - 1  # counts (clients, rounds, steps, sizes) index tensors
+SEED = Rule(lambda v: 0 <= v <= MAX_SEED, "must lie in 0..2**62", "0..2**62")
 
 
 @dataclass(frozen=True)
 class Config:
-    """Everything that defines a run. Field names are the YAML keys and ``--set`` names."""
+    """Everything that defines a run. Field names are the YAML keys and ``--set`` names; each
+    field declares what it means and the rule its value keeps (``docs/settings.md`` lists them)."""
 
-    algorithm: str = "pflego"
-    dataset: str = "mnist5k"  # or hf:NAME[:CONFIG], hf:FOLDER, hf:FILE.parquet (Hugging Face)
-    data_dir: str | None = None
-    model: str = "auto"
-    # The columns of an hf: dataset (found when unset): its labels, its inputs (comma-separated)
-    # the natural client of each sample (a writer id) for partition natural, and coarse labels
-    # (superclasses of the labels) for partition pachinko.
-    hf_label: str | None = None
-    hf_features: str | None = None
-    hf_client: str | None = None
-    hf_coarse: str | None = None
-    partition: str = "auto"  # natural for datasets with natural clients, else classes
-    classes_per_client: int | str = "high"
-    labels: str = "global"
-    alpha: float = 0.5
-    min_client_size: int = 2
-    test_fraction: float = 0.25
-    pool_test: bool = False  # merge an official test split into the data, then test_fraction
-    val_fraction: float = 0.0
-    pachinko_beta: float = 10.0
-    clients: int = 50
-    unseen_fraction: float = 0.0
-    join_epochs: float | None = None  # unseen clients personalize for this many epochs
-    participation: float = 0.2
-    sampling: str = "fixed"
-    min_cohort: int | None = None
-    max_cohort: int | None = None
-    rounds: int = 100
-    inner_steps: int = 50
-    local_epochs: float | None = None
-    batch_size: int | None = None
-    client_lr: float | None = None  # None: the algorithm's default_client_lr
-    server_lr: float | None = None  # None: the algorithm's default_server_lr
-    client_optimizer: str = "sgd"
-    server_optimizer: str = "sgd"
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    head_init: str = "linear"
-    options: dict[str, Any] = field(default_factory=dict)
-    seed: int = 0
-    eval_every: int = 10
-    average_last: int = 10
-    eval_clients: int | None = None
-    eval_train_samples: int | None = None
-    checkpoint_every: int = 10
-    divergence: str = "stop"  # stop: exit 3 when the loss explodes (pflego.sim.guards); warn
-    backend: str = "auto"
-    chunk_size: int | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    out: str | None = None
-    log: str | None = None  # experiment trackers, comma-separated: tensorboard, mlflow, wandb
-    log_dir: str | None = None  # where trackers write (default: the run's or experiment's folder)
-    # Differential privacy of the uploads (docs/privacy.md): clipping norm C, noise multiplier
-    # sigma or a target epsilon that picks it, delta, and noise on each client instead.
-    dp_clip: float | None = None
-    dp_noise: float | None = None
-    dp_target_epsilon: float | None = None
-    dp_delta: float = 1e-5
-    dp_local: bool = False
+    algorithm: str = setting("pflego", "the method (`pflego list` shows them)")
+    dataset: str = setting(
+        "mnist5k", "the data: a built-in name, or hf:NAME[:CONFIG], hf:FOLDER, hf:FILE.parquet"
+    )
+    data_dir: str | None = setting(None, "where datasets are read and downloaded")
+    model: str = setting("auto", "the model; auto picks the dataset's default")
+    hf_label: str | None = setting(None, "an hf: dataset's label column (found when unset)")
+    hf_features: str | None = setting(
+        None, "an hf: dataset's input columns, comma-separated (found when unset)"
+    )
+    hf_client: str | None = setting(
+        None, "an hf: dataset's column naming each sample's client (a writer id), for natural"
+    )
+    hf_coarse: str | None = setting(
+        None, "an hf: dataset's coarse labels (superclasses of the labels), for pachinko"
+    )
+    partition: str = setting(
+        "auto",
+        "how samples are dealt to clients; auto: natural where the data has natural "
+        "clients, else classes",
+    )
+    classes_per_client: int | str = setting(
+        "high",
+        "classes each client holds (partition classes): a number, or high (2), medium "
+        "(half the classes), none (all)",
+    )
+    labels: str = setting(
+        "global",
+        "global: one C-way head; local: heads over each client's own classes",
+        one_of(*LABELS),
+    )
+    alpha: float = setting(0.5, "Dirichlet concentration of the dirichlet-like partitions")
+    min_client_size: int = setting(
+        2, "the fewest samples a client may hold (moved to it from the largest clients)"
+    )
+    test_fraction: float = setting(0.25, "the share of each client's samples held out for testing")
+    pool_test: bool = setting(
+        False, "merge an official test split into the data before test_fraction splits it"
+    )
+    val_fraction: float = setting(
+        0.0,
+        "the share of each client's training samples held out for validation",
+        between(0, 1, "[)"),
+    )
+    pachinko_beta: float = setting(
+        10.0, "Dirichlet concentration over the fine labels of partition pachinko", positive
+    )
+    clients: int = setting(50, "the number of clients", positive)
+    unseen_fraction: float = setting(
+        0.0,
+        "the share of clients that never train and join only at evaluation",
+        between(0, 1, "[)").noting(
+            ": the share of clients that never train and join only at evaluation"
+        ),
+    )
+    join_epochs: float | None = setting(
+        None,
+        "epochs an unseen client personalizes for (unset: the run's local schedule)",
+        positive_or_unset,
+    )
+    participation: float = setting(
+        0.2,
+        "the fraction of clients per round",
+        between(0, 1, "(]").noting(": the fraction of clients per round"),
+    )
+    sampling: str = setting(
+        "fixed",
+        "how a round's cohort is drawn: a fixed count, each client by a coin "
+        "(bernoulli), or a count drawn in min_cohort..max_cohort",
+        one_of(*SAMPLING),
+    )
+    min_cohort: int | None = setting(None, "the smallest cohort of sampling=uniform-count")
+    max_cohort: int | None = setting(None, "the largest cohort of sampling=uniform-count")
+    rounds: int = setting(100, "communication rounds", positive)
+    inner_steps: int = setting(50, "local steps per client and round", positive)
+    local_epochs: float | None = setting(
+        None, "local epochs per round instead of inner_steps", positive_or_unset
+    )
+    batch_size: int | None = setting(
+        None, "local minibatch size (unset: the whole client)", positive_or_unset
+    )
+    client_lr: float | None = setting(
+        None, "the clients' step size (unset: the method's default)", positive
+    )
+    server_lr: float | None = setting(
+        None, "the server's step size (unset: the method's default)", positive
+    )
+    client_optimizer: str = setting("sgd", "the optimizer of the local steps")
+    server_optimizer: str = setting("sgd", "the optimizer of the server's step")
+    momentum: float = setting(0.9, "momentum of the momentum optimizers", between(0, 1, "[)"))
+    weight_decay: float = setting(
+        0.0,
+        "L2 weight decay in the clients' local steps",
+        non_negative.noting(" (L2 in the clients' local steps)"),
+    )
+    head_init: str = setting(
+        "linear",
+        "how heads start: linear (U(+-1/sqrt(M)), as nn.Linear), uniform (U(0, 1), "
+        "as the PFLEGO code) or zeros",
+    )
+    options: dict[str, Any] = setting(
+        meaning="the method's own options (`pflego list` shows them)", factory=dict
+    )
+    seed: int = setting(0, "the seed of data, partition, models and sampling", SEED)
+    eval_every: int = setting(10, "rounds between evaluations", positive)
+    average_last: int = setting(
+        10, "the final result averages the last this many rounds' evaluations", non_negative
+    )
+    eval_clients: int | None = setting(
+        None, "evaluate a fixed sample of this many clients (unset: all)", positive_or_unset
+    )
+    eval_train_samples: int | None = setting(
+        None,
+        "training samples per client the training metrics read (unset: all)",
+        positive_or_unset,
+    )
+    checkpoint_every: int = setting(10, "rounds between checkpoints", positive)
+    divergence: str = setting(
+        "stop",
+        "when the training loss explodes: stop (exit code 3) or warn",
+        one_of(*DIVERGENCE),
+    )
+    backend: str = setting(
+        "auto",
+        "how clients train: vmap (vectorized), fused (hand-derived steps), loop, "
+        "or auto (the fastest that fits)",
+        one_of(*BACKENDS),
+    )
+    chunk_size: int | None = setting(
+        None,
+        "at most this many clients vectorized at once (unset: as memory allows)",
+        positive_or_unset,
+    )
+    device: str = setting("cpu", "cpu, cuda or cuda:N")
+    dtype: str = setting(
+        "float32", "the floating-point type of parameters and data", one_of(*DTYPES)
+    )
+    out: str | None = setting(None, "the run's folder")
+    log: str | None = setting(
+        None, "experiment trackers, comma-separated: tensorboard, mlflow, wandb"
+    )
+    log_dir: str | None = setting(
+        None, "where trackers write (unset: the run's or experiment's folder)"
+    )
+    dp_clip: float | None = setting(
+        None,
+        "differential privacy (docs/privacy.md): the clipping norm C of each upload",
+        positive_number,
+    )
+    dp_noise: float | None = setting(
+        None, "the noise multiplier sigma (needs dp_clip)", non_negative
+    )
+    dp_target_epsilon: float | None = setting(
+        None, "a target epsilon that picks sigma (instead of dp_noise)", positive
+    )
+    dp_delta: float = setting(1e-5, "the delta of the privacy guarantee", between(0, 1, "()"))
+    dp_local: bool = setting(False, "each client adds its own noise instead of the server")
 
     def replace(self, **changes: Any) -> Config:
         """A validated copy with some fields changed."""
@@ -106,66 +218,19 @@ class Config:
         return {name: value for name, value in values.items() if value is not None}
 
     def validate(self) -> Config:
-        """Check ranges and choices; returns ``self`` so calls chain."""
-        for name in FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{name}={value} must be a finite number")
-            if type(value) is int and name != "seed" and abs(value) > MAX_COUNT:
-                raise ConfigError(f"{name}={value} is too large (at most {MAX_COUNT})")
-        positive = {
-            "clients": self.clients,
-            "rounds": self.rounds,
-            "inner_steps": self.inner_steps,
-            "eval_every": self.eval_every,
-            "checkpoint_every": self.checkpoint_every,
-        }
-        for name, value in positive.items():
-            if not value > 0:
-                raise ConfigError(f"{name}={value} must be positive")
-        for name in ("client_lr", "server_lr"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ConfigError(f"{name}={value} must be positive")
-        for name in (
-            "batch_size",
-            "local_epochs",
-            "chunk_size",
-            "join_epochs",
-            "eval_clients",
-            "eval_train_samples",
-        ):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ConfigError(f"{name}={value} must be positive (or unset)")
-        if not 0 < self.participation <= 1:
-            raise ConfigError(
-                f"participation={self.participation} must lie in (0, 1]: the fraction of clients per round"
-            )
-        if not 0 <= self.val_fraction < 1:
-            raise ConfigError(f"val_fraction={self.val_fraction} must lie in [0, 1)")
-        if not 0 <= self.unseen_fraction < 1:
-            raise ConfigError(
-                f"unseen_fraction={self.unseen_fraction} must lie in [0, 1): the share of clients "
-                "that never train and join only at evaluation"
-            )
+        """Check every setting's declared rule, then the rules between settings; returns
+        ``self`` so calls chain."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            check_number(field.name, value)
+            check_value(field.name, value, rule_of(field))
+        if not isinstance(self.options, dict):
+            raise ConfigError("options must be a mapping of algorithm option names to values")
         if self.join_epochs is not None and self.unseen_fraction == 0:
             raise ConfigError(
                 f"join_epochs={self.join_epochs} sets how long clients that never trained "
                 "personalize, but unseen_fraction=0 holds none out; set unseen_fraction or unset it"
             )
-        if not self.pachinko_beta > 0:
-            raise ConfigError(f"pachinko_beta={self.pachinko_beta} must be positive")
-        if not 0 <= self.seed <= MAX_SEED:
-            raise ConfigError(f"seed={self.seed} must lie in 0..2**62")
-        if self.average_last < 0:
-            raise ConfigError(f"average_last={self.average_last} must be 0 or more")
-        if not self.weight_decay >= 0:
-            raise ConfigError(
-                f"weight_decay={self.weight_decay} must be 0 or more (L2 in the clients' local steps)"
-            )
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(f"momentum={self.momentum} must lie in [0, 1)")
         self.check_cohort_range()
         if self.dataset_settings() and not self.dataset.startswith("hf:"):
             name, value = next(iter(self.dataset_settings().items()))
@@ -173,22 +238,9 @@ class Config:
                 f"{name}={value} names a column of a Hugging Face dataset, but dataset="
                 f"{self.dataset} is not one (hf:NAME); unset it"
             )
-        for name, choices in (
-            ("sampling", SAMPLING),
-            ("labels", LABELS),
-            ("backend", BACKENDS),
-            ("dtype", DTYPES),
-            ("divergence", DIVERGENCE),
-        ):
-            if getattr(self, name) not in choices:
-                raise ConfigError(
-                    f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}"
-                )
         self.validate_privacy()
         tracker_names(self.log)
         check_device(self.device)
-        if not isinstance(self.options, dict):
-            raise ConfigError("options must be a mapping of algorithm option names to values")
         return self
 
     def check_cohort_range(self) -> None:
@@ -213,7 +265,8 @@ class Config:
             raise ConfigError(f"min_cohort={self.min_cohort} exceeds max_cohort={self.max_cohort}")
 
     def validate_privacy(self) -> None:
-        """The dp_ settings: a positive clipping norm under any noise, one way to pick sigma."""
+        """The dp_ settings: a clipping norm under any noise, one way to pick sigma (their ranges
+        are declared on the fields)."""
         noised = self.dp_noise is not None or self.dp_target_epsilon is not None or self.dp_local
         if noised and self.dp_clip is None:
             raise ConfigError("dp_noise, dp_target_epsilon and dp_local need dp_clip (the norm C)")
@@ -221,14 +274,6 @@ class Config:
             raise ConfigError(
                 "give dp_noise (sigma) or dp_target_epsilon (which picks it), not both"
             )
-        if self.dp_clip is not None and not 0 < self.dp_clip < math.inf:
-            raise ConfigError(f"dp_clip={self.dp_clip} must be a positive number")
-        if self.dp_noise is not None and not 0 <= self.dp_noise < math.inf:
-            raise ConfigError(f"dp_noise={self.dp_noise} must be 0 or more")
-        if self.dp_target_epsilon is not None and not 0 < self.dp_target_epsilon < math.inf:
-            raise ConfigError(f"dp_target_epsilon={self.dp_target_epsilon} must be positive")
-        if not 0 < self.dp_delta < 1:
-            raise ConfigError(f"dp_delta={self.dp_delta} must lie in (0, 1)")
 
 
 def tracker_names(log: str | None) -> list[str]:
@@ -274,34 +319,53 @@ def check_device(device: str) -> None:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+HINTS = typing.get_type_hints(Config)
+
+
+def check_number(name: str, value: Any) -> None:
+    """Every number is finite, and every count (an int other than the seed) fits an index."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name}={value} must be a finite number")
+    if type(value) is int and name != "seed" and abs(value) > MAX_COUNT:
+        raise ConfigError(f"{name}={value} is too large (at most {MAX_COUNT})")
+
+
+def _as_kind(kind: Any, value: Any) -> tuple[bool, Any]:
+    """``(True, value as kind)`` where ``value`` already is one (ints widen to floats)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is bool or kind is str:
+        return isinstance(value, kind), value
+    if kind is int:
+        return number and isinstance(value, int), value
+    if kind is float:
+        return number, float(value) if number else value
+    return typing.get_origin(kind) is dict and isinstance(value, dict), value
+
+
+def _parsed(kind: Any, value: Any) -> tuple[bool, Any]:
+    """``(True, number)`` where ``value`` is a string from the command line that spells one."""
+    if not isinstance(value, str) or kind not in (int, float):
+        return False, value
+    try:
+        return True, kind(value)
+    except ValueError:
+        return False, value
 
 
 def _coerce(name: str, value: Any) -> Any:
     """Convert a YAML / CLI value to the field's type, or fail with a clear message."""
-    hint = typing.get_type_hints(Config)[name]
+    hint = HINTS[name]
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     unset = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
     if unset and type(None) in allowed:
         return None
     if value is None:  # a word such as none stays a word where no unset value exists
         raise ConfigError(f"{name} cannot be empty")  # (classes_per_client: high | medium | none)
-    for kind in allowed:
-        if kind is bool and isinstance(value, bool):
-            return value
-        if kind is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if kind is str and isinstance(value, str):
-            return value
-        if typing.get_origin(kind) is dict and isinstance(value, dict):
-            return dict(value)
-    for kind in allowed:  # strings from the command line
-        if isinstance(value, str) and kind in (int, float):
-            try:
-                return kind(value)
-            except ValueError:
-                continue
+    for convert in (_as_kind, _parsed):  # the value as it is first, then strings as numbers
+        for kind in allowed:
+            fits, converted = convert(kind, value)
+            if fits:
+                return dict(converted) if isinstance(converted, dict) else converted
     names = " or ".join(getattr(k, "__name__", str(k)) for k in allowed if k is not type(None))
     raise ConfigError(f"{name}={value!r} must be {names}")
 

@@ -307,6 +307,15 @@ class RunDir:
         text = json.dumps(finite_or_none(record), indent=1, allow_nan=False)
         atomic_write(self.environment, lambda p: p.write_text(text))
 
+    def record_backend(self, backend: str) -> None:
+        """Add to ``environment.json`` the backend that ran the rounds as ``client_backend``
+        (``auto`` chooses only in the first round), on a resumption's own entry if any."""
+        record = json.loads(self.environment.read_text())
+        latest = record["resumed"][-1] if record.get("resumed") else record
+        latest["client_backend"] = backend
+        text = json.dumps(finite_or_none(record), indent=1, allow_nan=False)
+        atomic_write(self.environment, lambda p: p.write_text(text))
+
     def write_partition(self, partition: list[dict[str, Any]]) -> None:
         atomic_write(self.partition, lambda p: p.write_text(json.dumps(partition)))
 

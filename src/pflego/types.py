@@ -127,3 +127,23 @@ class RoundContext:
         if kept == sampled:
             return self
         return replace(self, cohort_size=self.cohort_size * kept / sampled)
+
+
+@dataclass(frozen=True)
+class Downlink:
+    """What the server sends a round's clients: one ``payload`` for all of them, or
+    (``per_client``) one per client, stacked on axis 0 in the order the clients were asked for.
+
+    Attributes:
+        payload: The shared payload, or the stacked per-client payloads.
+        per_client: Whether ``payload`` holds one payload per client.
+    """
+
+    payload: Params
+    per_client: bool = False
+
+    def of(self, position: int) -> Params:
+        """The payload of the client at ``position`` among those asked for."""
+        if not self.per_client:
+            return self.payload
+        return {k: v[position] for k, v in self.payload.items()}

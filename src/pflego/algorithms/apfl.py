@@ -59,7 +59,7 @@ from torch import Tensor
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import between, one_of, setting
 from pflego.fused_bilevel import Substep, fused_program, real_rows
 from pflego.local import fused_or_none, train_steps
 from pflego.loss import ModelLoss
@@ -100,22 +100,24 @@ class DecayModelsOnly(Optimizer):
 @register("apfl")
 @dataclass(frozen=True)
 class APFL(Algorithm):
-    alpha: float = 0.5
-    adaptive_alpha: bool = False
-    alpha_update: str = "step"
+    alpha: float = setting(
+        0.5,
+        "weight of the personal model in alpha v + (1 - alpha) w (the start, with adaptive_alpha)",
+        between(0, 1),
+    )
+    adaptive_alpha: bool = setting(
+        False, "learn each client's alpha by gradient steps, projected onto [0, 1]"
+    )
+    alpha_update: str = setting(
+        "step",
+        "when alpha steps: every local step, or once per round as the authors' code",
+        one_of(*ALPHA_UPDATES, says="must be one of"),
+    )
 
     shared: ClassVar[tuple[str, ...]] = ("body", "head")
     # eta of the models' and of alpha's steps: the least worst-case regret over three federations
     # of benchmarks/defaults_study.py (docs/defaults.md); 0.05 was 12% below the best
     default_client_lr: ClassVar[float] = 0.3
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.alpha <= 1:
-            raise ConfigError(f"alpha={self.alpha} must lie in [0, 1]")
-        if self.alpha_update not in ALPHA_UPDATES:
-            raise ConfigError(
-                f"apfl alpha_update={self.alpha_update!r} must be one of {', '.join(ALPHA_UPDATES)}"
-            )
 
     def init_client(self, downlink, generator, ctx):
         """No v_i yet (``trained`` = 0): it starts as the global model of the first round the client

@@ -57,7 +57,7 @@ from torch.func import grad_and_value
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import at_least, between, non_negative, one_of, setting
 from pflego.loss import masked_cross_entropy
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, ServerState
@@ -69,11 +69,25 @@ CORE, OWN = "core.", "own"
 @dataclass(frozen=True)
 class APPLE(Algorithm):
     server_step: ClassVar[str] = "own"  # the server stores the uploaded core models as they are
-    dr_lr: float = 0.001
-    mu: float = 0.1
-    scheduler: str = "exponential"
-    reg_fraction: float = 0.1
-    horizon: int = 160
+    dr_lr: float = setting(
+        0.001,
+        "step size of the directed-relationship vectors p_i (the authors' lr_coef)",
+        non_negative,
+    )
+    mu: float = setting(
+        0.1, "strength of the proximal term that pulls p_i toward its start", non_negative
+    )
+    scheduler: str = setting(
+        "exponential",
+        "how the proximal term fades: exponential or cosine",
+        one_of("exponential", "cosine", says="must be one of"),
+    )
+    reg_fraction: float = setting(
+        0.1, "the share of horizon over which the proximal term fades (L)", between(0, 1)
+    )
+    horizon: int = setting(
+        160, "the rounds the schedule spans (set it to the run's rounds)", at_least(1)
+    )
 
     personal: ClassVar[tuple[str, ...]] = ("body", "head")
     per_client_downlink: ClassVar[bool] = True
@@ -81,19 +95,6 @@ class APPLE(Algorithm):
     # the core models' step size: the least worst-case regret over three federations of
     # benchmarks/defaults_study.py (docs/defaults.md); at 0.05 its 20 rounds barely started
     default_client_lr: ClassVar[float] = 0.3
-
-    def __post_init__(self) -> None:
-        if self.scheduler not in ("exponential", "cosine"):
-            raise ConfigError(
-                f"apple scheduler={self.scheduler!r} must be 'exponential' or 'cosine'"
-            )
-        if self.dr_lr < 0 or self.mu < 0:
-            raise ConfigError(f"apple dr_lr={self.dr_lr} and mu={self.mu} must be 0 or more")
-        if not (0 <= self.reg_fraction <= 1 and self.horizon >= 1):
-            raise ConfigError(
-                f"apple reg_fraction={self.reg_fraction} must lie in [0, 1] and "
-                f"horizon={self.horizon} be at least 1"
-            )
 
     def proximal_weight(self, round_: int) -> float:
         """lambda(r) mu: the loss scheduler times mu (0 from round L on)."""

@@ -19,12 +19,21 @@ from torch import Tensor
 from pflego import tree
 from pflego.config import Config
 from pflego.errors import ConfigError
+from pflego.fields import check_fields, check_value, rule_of
 from pflego.local import train_steps
 from pflego.loss import ModelLoss, masked_cross_entropy
 from pflego.models import SplitModel, head_logits, init_head
 from pflego.optim import SGD, Optimizer, Proximal
 from pflego.tree import Params
-from pflego.types import ClientData, ClientOut, ClientState, RoundContext, Schedule, ServerState
+from pflego.types import (
+    ClientData,
+    ClientOut,
+    ClientState,
+    Downlink,
+    RoundContext,
+    Schedule,
+    ServerState,
+)
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,10 @@ class Algorithm:
     #: ``client_lr``, which is not refused: one step size is often given to every method).
     client_step: ClassVar[str] = "optimizer"
 
+    def __post_init__(self) -> None:
+        """Check every option against the rule declared on its field (``fields.setting``)."""
+        check_fields(self, f"{getattr(type(self), 'name', type(self).__name__)} ")
+
     # --- server side --------------------------------------------------------------------------
 
     def init_params(self, seed: int, dtype: torch.dtype = torch.float32) -> Params:
@@ -119,6 +132,20 @@ class Algorithm:
         :meth:`downlink` by default. An algorithm whose downlink also carries what only local
         training reads may leave that out, which spares computing it for every evaluated client."""
         return self.downlink(server, ctx, clients)
+
+    def send(
+        self, server: ServerState, ctx: RoundContext, clients: Tensor, evaluation: bool = False
+    ) -> Downlink:
+        """The :class:`Downlink` of ``clients`` (int ids; ``evaluation``: the one evaluation
+        predicts with), shared or per client as the algorithm declares
+        (``per_client_downlink``); the round loops read one client's part with ``of``."""
+        payload = self.evaluation_downlink if evaluation else self.downlink
+        ids = (clients,) if self.per_client_downlink else ()
+        return self.received(payload(server, ctx, *ids))
+
+    def received(self, payload: Params) -> Downlink:
+        """A payload of :meth:`downlink` as the :class:`Downlink` it is."""
+        return Downlink(payload, self.per_client_downlink)
 
     def aggregate(self, out: ClientOut, ctx: RoundContext) -> Params:
         """Combine the cohort's uploads (stacked on axis 0); default: mean weighted by ``out.weight``."""
@@ -371,15 +398,9 @@ def hyperparameters(cls: type[Algorithm]) -> dict[str, Any]:
     }
 
 
-def check_positive(**values: float | None) -> None:
-    """Fail with a ``ConfigError`` for an option that is set but not positive."""
-    for name, value in values.items():
-        if value is not None and not value > 0:
-            raise ConfigError(f"option {name}={value} must be positive (or unset)")
-
-
 def check_options(name: str, options: dict[str, Any] | None) -> dict[str, Any]:
-    """An algorithm's options checked against its fields (ints widened to floats where needed).
+    """An algorithm's options checked against their fields' types and declared rules (ints
+    widened to floats where needed).
 
     Needs no model, so a whole experiment's configs can be checked before anything is built.
     """
@@ -389,25 +410,32 @@ def check_options(name: str, options: dict[str, Any] | None) -> dict[str, Any]:
         )
     cls = ALGORITHMS[name]
     known = hyperparameters(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name in known}
     hints = typing.get_type_hints(cls)
-    options = dict(options or {})
-    for key, value in options.items():
+    checked = {}
+    for key, value in (options or {}).items():
         if key not in known:
             valid = ", ".join(sorted(known)) or "none"
             raise ConfigError(f"{name} has no option {key!r}; its options are: {valid}")
-        if value is None and known[key] is None:
-            continue
-        hint = hints[key]
-        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-        kinds = tuple(k for k in typing.get_args(hint) if k is not type(None)) if union else (hint,)
-        if not all(isinstance(k, type) for k in kinds):
-            continue  # an annotation isinstance cannot check (Literal, generics)
+        checked[key] = option_value(name, fields[key], hints[key], value)
+    return checked
+
+
+def option_value(name: str, field: dataclasses.Field, hint: Any, value: Any) -> Any:
+    """``value`` of the option ``field`` of algorithm ``name``, checked against its type
+    ``hint`` (an int widened to a float where a float is due) and its declared rule."""
+    if value is None and field.default is None:
+        return None
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    kinds = tuple(k for k in typing.get_args(hint) if k is not type(None)) if union else (hint,)
+    if all(isinstance(k, type) for k in kinds):  # (isinstance cannot check Literal, generics)
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-            options[key] = float(value)
+            value = float(value)
         elif not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
             names = " or ".join(k.__name__ for k in kinds)
-            raise ConfigError(f"option {key}={value!r} of {name} must be a {names}")
-    return options
+            raise ConfigError(f"option {field.name}={value!r} of {name} must be a {names}")
+    check_value(field.name, value, rule_of(field), f"{name} ")
+    return value
 
 
 def check_settings(config: Config) -> None:

@@ -56,7 +56,7 @@ from torch import Tensor
 from pflego import tree
 from pflego.algorithms.base import register
 from pflego.algorithms.fedavg import FedAvg
-from pflego.errors import ConfigError
+from pflego.fields import non_negative, one_of, setting
 from pflego.loss import masked_cross_entropy
 
 CANDIDATE = "cluster."
@@ -68,26 +68,25 @@ LARGEST_UPDATES = ("norm", "coordinate")
 @register("cfl")
 @dataclass(frozen=True)
 class ClusteredFL(FedAvg):
-    eps1: float = 0.4
-    eps2: float = 1.6
-    linkage: str = "complete"
-    largest_update: str = "norm"
+    eps1: float = setting(
+        0.4, "a cluster splits when its mean update's norm falls below eps1 ...", non_negative
+    )
+    eps2: float = setting(1.6, "... and its largest client update's exceeds eps2", non_negative)
+    linkage: str = setting(
+        "complete",
+        "how clusters are bipartitioned: complete (the authors' code) or single (the paper)",
+        one_of(*LINKAGES, says="must be one of"),
+    )
+    largest_update: str = setting(
+        "norm",
+        "how the largest update is measured: its norm, or coordinate-wise",
+        one_of(*LARGEST_UPDATES, says="must be one of"),
+    )
 
     per_client_downlink: ClassVar[bool] = True
     sum_aggregate: ClassVar[bool] = False
     server_step: ClassVar[str] = "sgd"  # server_lr times the mean update, per cluster
     join_trains: ClassVar[bool] = False  # a new client picks a cluster's model and trains nothing
-
-    def __post_init__(self) -> None:
-        if self.linkage not in LINKAGES:
-            raise ConfigError(f"cfl linkage={self.linkage!r} must be one of {', '.join(LINKAGES)}")
-        if self.largest_update not in LARGEST_UPDATES:
-            raise ConfigError(
-                f"cfl largest_update={self.largest_update!r} must be one of "
-                f"{', '.join(LARGEST_UPDATES)}"
-            )
-        if not (self.eps1 >= 0 and self.eps2 >= 0):
-            raise ConfigError(f"cfl eps1={self.eps1} and eps2={self.eps2} must be non-negative")
 
     def init_server(self, params):
         return {

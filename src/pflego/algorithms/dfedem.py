@@ -44,7 +44,7 @@ import torch
 from pflego import graphs, tree
 from pflego.algorithms.base import register
 from pflego.algorithms.fedem import WEIGHTS, FedEM
-from pflego.errors import ConfigError
+from pflego.fields import between, one_of, setting
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext
 
@@ -52,24 +52,23 @@ from pflego.types import ClientData, ClientOut, ClientState, RoundContext
 @register("d-fedem")
 @dataclass(frozen=True)
 class DFedEM(FedEM):
-    graph: str = "erdos-renyi"
-    edge_probability: float = 0.5
-    mixing: str = "fast"
-    new_graph_every_round: bool = False
-    graph_seed: int = 0
+    graph: str = setting("erdos-renyi", "the clients' communication graph", one_of(*graphs.GRAPHS))
+    edge_probability: float = setting(
+        0.5, "the probability of each edge of the erdos-renyi graph", between(0, 1, "(]")
+    )
+    mixing: str = setting(
+        "fast",
+        "the mixing weights: fast (fastest-mixing, as the paper) or metropolis",
+        one_of(*graphs.MIXINGS),
+    )
+    new_graph_every_round: bool = setting(
+        False, "draw a fresh graph every round (default: one for the run)"
+    )
+    graph_seed: int = setting(0, "the seed of the graph's draw")
 
     #: every client keeps its own copy of the components beside its weights
     personal: ClassVar[tuple[str, ...]] = ("body", "head", "mixture")
     server_step: ClassVar[str] = "own"  # no server: the clients mix with their neighbours
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.graph not in graphs.GRAPHS:
-            raise ConfigError(f"graph={self.graph!r} is not one of {', '.join(graphs.GRAPHS)}")
-        if self.mixing not in graphs.MIXINGS:
-            raise ConfigError(f"mixing={self.mixing!r} is not one of {', '.join(graphs.MIXINGS)}")
-        if not 0 < self.edge_probability <= 1:
-            raise ConfigError(f"edge_probability={self.edge_probability} must lie in (0, 1]")
 
     @staticmethod
     def own_components(state: ClientState) -> Params:

@@ -32,27 +32,28 @@ from typing import ClassVar
 import torch
 
 from pflego import tree
-from pflego.algorithms.base import Algorithm, check_positive, register
-from pflego.errors import ConfigError
+from pflego.algorithms.base import Algorithm, register
+from pflego.fields import non_negative, positive_or_unset, setting
 from pflego.types import ClientData, ClientOut, RoundContext, Schedule
 
 
 @register("ditto")
 @dataclass(frozen=True)
 class Ditto(Algorithm):
-    lam: float = 0.1
-    personal_steps: int | None = None
-    personal_epochs: float | None = None
+    lam: float = setting(
+        0.1, "strength lambda of the pull of the personal model toward the global one", non_negative
+    )
+    personal_steps: int | None = setting(
+        None, "local steps of the personal model (unset: the run's schedule)", positive_or_unset
+    )
+    personal_epochs: float | None = setting(
+        None, "local epochs of the personal model (unset: the run's schedule)", positive_or_unset
+    )
 
     personal: ClassVar[tuple[str, ...]] = ("body", "head")
     # eta of both the global and the personal steps: the least worst-case regret over three
     # federations of benchmarks/defaults_study.py (docs/defaults.md); 0.05 was 15% below the best
     default_client_lr: ClassVar[float] = 0.3
-
-    def __post_init__(self) -> None:
-        check_positive(personal_steps=self.personal_steps, personal_epochs=self.personal_epochs)
-        if self.lam < 0:
-            raise ConfigError(f"option lam={self.lam} must be 0 or more")
 
     def init_client(self, downlink, generator, ctx: RoundContext):
         dtype = next(iter(downlink.values())).dtype

@@ -67,7 +67,7 @@ from torch.func import grad_and_value
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import at_least, between, non_negative, positive, setting
 from pflego.loss import masked_cross_entropy
 from pflego.models import head_logits
 from pflego.tree import Params
@@ -100,30 +100,25 @@ def head_gradient(
 @register("fedala")
 @dataclass(frozen=True)
 class FedALA(Algorithm):
-    eta: float = 1.0
-    rand_percent: float = 80.0
-    layers: int = 1
-    threshold: float = 0.1
-    num_pre_loss: int = 10
-    max_start_epochs: int = 50
+    eta: float = setting(1.0, "step size of the element-wise aggregation weights W_i", positive)
+    rand_percent: float = setting(
+        80.0, "the percentage s of local data the weights are learned on", between(0, 100, "(]")
+    )
+    layers: int = setting(
+        1, "how many top layers are aggregated adaptively (1: the head)", at_least(1)
+    )
+    threshold: float = setting(
+        0.1,
+        "the first ALA stops when the std of the last num_pre_loss losses is below it",
+        non_negative,
+    )
+    num_pre_loss: int = setting(10, "how many epoch losses the convergence test reads", at_least(1))
+    max_start_epochs: int = setting(
+        50, "the most epochs of the first ALA's weight learning", at_least(1)
+    )
 
     personal: ClassVar[tuple[str, ...]] = ("body", "head")
     per_client_downlink: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        if not self.eta > 0:
-            raise ConfigError(f"fedala eta={self.eta} must be positive")
-        if not 0 < self.rand_percent <= 100:
-            raise ConfigError(f"fedala rand_percent={self.rand_percent} must lie in (0, 100]")
-        if self.layers < 1:
-            raise ConfigError(f"fedala layers={self.layers} must be at least 1")
-        if self.threshold < 0 or self.num_pre_loss < 1:
-            raise ConfigError(
-                f"fedala threshold={self.threshold} must be 0 or more and "
-                f"num_pre_loss={self.num_pre_loss} at least 1"
-            )
-        if self.max_start_epochs < 1:
-            raise ConfigError(f"fedala max_start_epochs={self.max_start_epochs} must be at least 1")
 
     # --- which parameters ALA weighs ------------------------------------------------------------
 

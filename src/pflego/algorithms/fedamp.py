@@ -46,7 +46,7 @@ from torch import Tensor
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import non_negative, positive, setting
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, ServerState
 
@@ -68,20 +68,16 @@ class FedAMP(Algorithm):
     server_step: ClassVar[str] = (
         "own"  # the server stores each client's model and builds the cloud models
     )
-    lam: float = 1.0
-    alpha: float = 1.0
-    sigma: float = 1.0
+    lam: float = setting(1.0, "strength lambda of the attention term", non_negative)
+    alpha: float = setting(1.0, "step size alpha_k of the server's message passing", positive)
+    sigma: float = setting(
+        1.0, "scale sigma of the attention function 1 - exp(-x / sigma)", positive
+    )
 
     personal: ClassVar[tuple[str, ...]] = ("body", "head")
     default_client_lr: ClassVar[float] = 0.1  # the defaults study's choice (0.3: 18% below)
     per_client_downlink: ClassVar[bool] = True
     sum_aggregate: ClassVar[bool] = False
-
-    def __post_init__(self) -> None:
-        if self.lam < 0:
-            raise ConfigError(f"fedamp lam={self.lam} must be 0 or more")
-        if not (self.alpha > 0 and self.sigma > 0):
-            raise ConfigError(f"fedamp alpha={self.alpha} and sigma={self.sigma} must be positive")
 
     # --- server ---------------------------------------------------------------------------------
 

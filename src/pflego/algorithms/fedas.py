@@ -60,7 +60,7 @@ from torch.func import grad
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import non_negative, positive, setting
 from pflego.fused_bilevel import Substep, fused_program, real_rows
 from pflego.local import fused_or_none, train_steps
 from pflego.loss import ModelLoss, masked_cross_entropy
@@ -75,23 +75,17 @@ TRAINED = "trained"  # 1 once the client has its own body
 @register("fedas")
 @dataclass(frozen=True)
 class FedAS(Algorithm):
-    align_lr: float = 0.01
-    align_epochs: float = 1.0
-    align_batch_size: int = 16
+    align_lr: float = setting(
+        0.01, "step size of the parameter alignment toward the client's prototypes", non_negative
+    )
+    align_epochs: float = setting(1.0, "epochs of the parameter alignment", positive)
+    align_batch_size: int = setting(16, "samples per step of the parameter alignment", positive)
 
     shared: ClassVar[tuple[str, ...]] = ("body",)
     personal: ClassVar[tuple[str, ...]] = ("head", "local")
     #: The weights F_i are computed from the clients' data and models, so no bound on one
     #: client's influence holds: differential privacy and secure aggregation refuse it.
     sum_aggregate: ClassVar[bool] = False
-
-    def __post_init__(self) -> None:
-        if not self.align_lr >= 0:
-            raise ConfigError(f"fedas align_lr={self.align_lr} must be 0 or more")
-        if not self.align_epochs > 0:
-            raise ConfigError(f"fedas align_epochs={self.align_epochs} must be positive")
-        if not self.align_batch_size > 0:
-            raise ConfigError(f"fedas align_batch_size={self.align_batch_size} must be positive")
 
     def schedules(self, run: Schedule) -> dict[str, Schedule]:
         """The alignment's epochs of ``align_batch_size``, and one epoch for the Fisher trace."""

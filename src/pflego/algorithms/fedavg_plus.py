@@ -20,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pflego.algorithms.base import check_positive, register
+from pflego.algorithms.base import register
 from pflego.algorithms.fedavg import FedAvg
+from pflego.fields import positive, setting
 from pflego.types import ClientData, RoundContext, Schedule
 
 
@@ -30,10 +31,9 @@ from pflego.types import ClientData, RoundContext, Schedule
 class FedAvgPlus(FedAvg):
     join_trains: ClassVar[bool] = True  # a new client fine-tunes, as at every evaluation
 
-    finetune_epochs: float = 1.0
-
-    def __post_init__(self) -> None:
-        check_positive(finetune_epochs=self.finetune_epochs)
+    finetune_epochs: float = setting(
+        1.0, "epochs each client fine-tunes the global model before evaluation", positive
+    )
 
     def adapt(self, downlink, state, data: ClientData, ctx: RoundContext):
         return self.train(downlink, data, ctx)[0]

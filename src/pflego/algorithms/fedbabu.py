@@ -34,8 +34,8 @@ from typing import ClassVar
 import torch
 
 from pflego import tree
-from pflego.algorithms.base import FixedHead, check_positive, register
-from pflego.errors import ConfigError
+from pflego.algorithms.base import FixedHead, register
+from pflego.fields import one_of, positive, setting
 from pflego.models import init_head
 from pflego.types import ClientData, ClientOut, RoundContext, Schedule
 
@@ -46,21 +46,22 @@ FINETUNE = ("whole", "head")
 @register("fedbabu")
 @dataclass(frozen=True)
 class FedBABU(FixedHead):
-    fixed_head: str = "orthogonal"
-    finetune: str = "whole"
-    finetune_epochs: float = 5.0
+    fixed_head: str = setting(
+        "orthogonal",
+        "how the fixed shared head is drawn: orthogonal rows or random",
+        one_of(*HEADS, says="must be one of"),
+    )
+    finetune: str = setting(
+        "whole",
+        "what fine-tunes before evaluation: the whole model or the head",
+        one_of(*FINETUNE, says="must be one of"),
+    )
+    finetune_epochs: float = setting(5.0, "epochs of that fine-tuning (tau_f)", positive)
 
     shared: ClassVar[tuple[str, ...]] = ("body",)
     personal: ClassVar[tuple[str, ...]] = ()
     label_space: ClassVar[str] = "global"
     default_client_lr: ClassVar[float] = 0.05  # the defaults study's choice (0.3: 17% below)
-
-    def __post_init__(self) -> None:
-        if self.fixed_head not in HEADS:
-            raise ConfigError(f"fixed_head={self.fixed_head!r} must be one of {', '.join(HEADS)}")
-        if self.finetune not in FINETUNE:
-            raise ConfigError(f"finetune={self.finetune!r} must be one of {', '.join(FINETUNE)}")
-        check_positive(finetune_epochs=self.finetune_epochs)
 
     def init_params(self, seed: int, dtype: torch.dtype = torch.float32):
         generator = torch.Generator().manual_seed(seed + 1)

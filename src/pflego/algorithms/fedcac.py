@@ -54,7 +54,7 @@ from torch import Tensor
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import between, positive, setting
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext, ServerState
 
@@ -96,17 +96,17 @@ def collaboration(masks: Tensor, t: int, beta: float) -> Tensor:
 @dataclass(frozen=True)
 class FedCAC(Algorithm):
     join_trains: ClassVar[bool] = False  # a new client uses the global model as it is
-    tau: float = 0.5
-    beta: float = 170.0
+    tau: float = setting(
+        0.5, "the fraction of each layer's parameters that is critical", between(0, 1)
+    )
+    beta: float = setting(
+        170.0,
+        "how fast collaboration on critical parameters tightens (alone after beta rounds)",
+        positive,
+    )
 
     per_client_downlink: ClassVar[bool] = True
     sum_aggregate: ClassVar[bool] = False  # the customized models depend on the masks
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.tau <= 1:
-            raise ConfigError(f"fedcac tau={self.tau} must be a fraction in [0, 1]")
-        if not self.beta > 0:
-            raise ConfigError(f"fedcac beta={self.beta} must be positive")
 
     # --- server ---------------------------------------------------------------------------------
 

@@ -58,7 +58,7 @@ from torch import Tensor
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import non_negative, setting
 from pflego.local import train_steps
 from pflego.loss import masked_cross_entropy
 from pflego.models import head_logits, init_head
@@ -116,15 +116,15 @@ def masked_mmd(x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
 @register("fedcp")
 @dataclass(frozen=True)
 class FedCP(Algorithm):
-    lam: float = 5.0
+    lam: float = setting(
+        5.0,
+        "strength lambda of the MMD term that keeps features near the received body's",
+        non_negative,
+    )
 
     shared: ClassVar[tuple[str, ...]] = SHARED
     personal: ClassVar[tuple[str, ...]] = ("phead",)
     default_client_lr: ClassVar[float] = 0.05  # the defaults study's choice (0.3: 36% below)
-
-    def __post_init__(self) -> None:
-        if not self.lam >= 0:
-            raise ConfigError(f"fedcp lam={self.lam} must be 0 or more")
 
     def init_params(self, seed: int, dtype: torch.dtype = torch.float32) -> Params:
         """Body and global head as usual, and the CPN (PyTorch's Linear and LayerNorm init)."""

@@ -63,7 +63,7 @@ from torch.func import grad_and_value
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import between, non_negative, setting
 from pflego.local import train_steps
 from pflego.loss import masked_cross_entropy
 from pflego.models import head_logits
@@ -84,17 +84,15 @@ def batch_mean(features: Tensor, mask: Tensor) -> Tensor:
 @register("feddbe")
 @dataclass(frozen=True)
 class FedDBE(Algorithm):
-    kappa: float = 50.0
-    momentum: float = 1.0
+    kappa: float = setting(50.0, "strength kappa of the mean regularization", non_negative)
+    momentum: float = setting(
+        1.0,
+        "momentum of the running mean of the batch means (1: the last batch's)",
+        between(0, 1, "(]"),
+    )
 
     shared: ClassVar[tuple[str, ...]] = ("body", "head")
     personal: ClassVar[tuple[str, ...]] = ("prbm",)
-
-    def __post_init__(self) -> None:
-        if not self.kappa >= 0:
-            raise ConfigError(f"feddbe kappa={self.kappa} must be 0 or more")
-        if not 0 < self.momentum <= 1:
-            raise ConfigError(f"feddbe momentum={self.momentum} must be in (0, 1]")
 
     # --- server -------------------------------------------------------------------------------
 

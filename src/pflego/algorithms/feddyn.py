@@ -40,7 +40,7 @@ import torch
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import positive, setting
 from pflego.types import ClientData, ClientOut, RoundContext
 
 GRAD = "grad."
@@ -49,14 +49,10 @@ GRAD = "grad."
 @register("feddyn")
 @dataclass(frozen=True)
 class FedDyn(Algorithm):
-    alpha: float = 0.01
+    alpha: float = setting(0.01, "strength alpha of the dynamic regularizer", positive)
 
     server_step: ClassVar[str] = "own"  # h and theta^t of the paper's server rule
     join_trains: ClassVar[bool] = False  # a new client uses the global model as it is
-
-    def __post_init__(self) -> None:
-        if not self.alpha > 0:
-            raise ConfigError(f"feddyn alpha={self.alpha} must be positive")
 
     def init_server(self, params):
         return {"params": params, "h": tree.zeros_like(params)}

@@ -49,7 +49,7 @@ from torch.func import vmap
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import at_least, setting
 from pflego.local import train_steps
 from pflego.loss import ModelLoss, cross_entropies
 from pflego.tree import Params
@@ -61,18 +61,12 @@ WEIGHTS = "mixture.weights"
 @register("fedem")
 @dataclass(frozen=True)
 class FedEM(Algorithm):
-    components: int = 3
-    join_em_steps: int = 1
+    components: int = setting(3, "the number M of mixture components (shared models)", at_least(1))
+    join_em_steps: int = setting(1, "E-steps and weight updates a new client takes", at_least(1))
 
     shared: ClassVar[tuple[str, ...]] = ("body", "head")
     personal: ClassVar[tuple[str, ...]] = ("mixture",)
     join_trains: ClassVar[bool] = False  # a new client runs join_em_steps E-steps, not epochs
-
-    def __post_init__(self) -> None:
-        if self.components < 1:
-            raise ConfigError(f"components={self.components} must be at least 1")
-        if self.join_em_steps < 1:
-            raise ConfigError(f"join_em_steps={self.join_em_steps} must be at least 1")
 
     # --- the mixture's maths --------------------------------------------------------------------
 

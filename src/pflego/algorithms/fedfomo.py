@@ -60,7 +60,7 @@ from torch import Tensor
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import at_least, between, non_negative, setting
 from pflego.local import train_steps
 from pflego.loss import ModelLoss
 from pflego.tree import Params
@@ -75,23 +75,18 @@ WEIGHTS = "fomo.weights"
 @register("fedfomo")
 @dataclass(frozen=True)
 class FedFomo(Algorithm):
-    num_models: int = 5
-    epsilon: float = 0.3
-    epsilon_decay: float = 0.05
+    num_models: int = setting(
+        5, "how many other clients' models each client downloads (M)", at_least(1)
+    )
+    epsilon: float = setting(
+        0.3, "the probability of downloading a random model instead of a best one", between(0, 1)
+    )
+    epsilon_decay: float = setting(0.05, "how much epsilon falls per round", non_negative)
 
     per_client_downlink: ClassVar[bool] = True
     uses_validation: ClassVar[bool] = True
     sum_aggregate: ClassVar[bool] = False
     server_step: ClassVar[str] = "own"  # the server stores each client's upload as it is
-
-    def __post_init__(self) -> None:
-        if self.num_models < 1:
-            raise ConfigError(f"fedfomo num_models={self.num_models} must be at least 1")
-        if not (0 <= self.epsilon <= 1 and self.epsilon_decay >= 0):
-            raise ConfigError(
-                f"fedfomo epsilon={self.epsilon} must lie in [0, 1] and "
-                f"epsilon_decay={self.epsilon_decay} be non-negative"
-            )
 
     # --- server side --------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ import torch
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import non_negative, setting
 from pflego.local import train_steps
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext
@@ -51,12 +51,10 @@ from pflego.types import ClientData, ClientOut, RoundContext
 @dataclass(frozen=True)
 class FedLC(Algorithm):
     join_trains: ClassVar[bool] = False  # a new client uses the global model as it is
-    tau: float = 1.0
-    exclude_target: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.tau >= 0:
-            raise ConfigError(f"fedlc tau={self.tau} must be 0 or more")
+    tau: float = setting(1.0, "strength tau of the label-distribution calibration", non_negative)
+    exclude_target: bool = setting(
+        False, "leave the target class out of the calibrated sum (the paper's Eq. as written)"
+    )
 
     def calibrated_loss(self, counts: torch.Tensor, label_mask: torch.Tensor):
         """The masked mean of L_cal over a batch, for a client with label ``counts`` [K]."""

@@ -47,6 +47,7 @@ import torch
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
+from pflego.fields import non_negative, setting
 from pflego.optim import Momentum
 from pflego.types import ClientData, ClientOut, RoundContext
 
@@ -57,14 +58,13 @@ A = "nova.a"  # ||a_i||_1 in the upload
 @dataclass(frozen=True)
 class FedNova(Algorithm):
     join_trains: ClassVar[bool] = False  # a new client uses the global model as it is
-    mu: float = 0.0
+    mu: float = setting(0.0, "strength of FedProx's proximal term (0: none)", non_negative)
 
     #: tau_eff * sum p_i d_i is a product of two weighted means, not a weighted sum.
     sum_aggregate: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        if not self.mu >= 0:
-            raise ConfigError(f"fednova mu={self.mu} must be 0 or more")
+        super().__post_init__()
         if self.mu > 0 and isinstance(self.client_optimizer, Momentum):
             raise ConfigError(
                 "fednova with mu > 0 and the momentum client optimizer has no normalizing "

@@ -66,7 +66,7 @@ import torch
 from torch import Tensor
 
 from pflego import tree
-from pflego.algorithms.base import FixedHead, check_positive, register
+from pflego.algorithms.base import FixedHead, register
 from pflego.algorithms.fedproto import (
     COUNT,
     MEAN,
@@ -76,7 +76,7 @@ from pflego.algorithms.fedproto import (
     class_sums,
     initial_prototypes,
 )
-from pflego.errors import ConfigError
+from pflego.fields import non_negative, positive_or_unset, setting
 from pflego.local import train_steps
 from pflego.loss import ModelLoss
 from pflego.models import init_head
@@ -147,27 +147,27 @@ def combination_weights(h: Tensor, v: Tensor) -> Tensor:
 @register("fedpac")
 @dataclass(frozen=True)
 class FedPAC(FixedHead):
-    lam: float = 1.0
-    head_steps: int | None = None
-    head_epochs: float | None = 1.0
-    body_steps: int | None = None
-    body_epochs: float | None = None
+    lam: float = setting(
+        1.0, "strength lambda of the feature alignment to the global class centroids", non_negative
+    )
+    head_steps: int | None = setting(
+        None, "local steps of the head phase (unset: head_epochs)", positive_or_unset
+    )
+    head_epochs: float | None = setting(1.0, "epochs of the head phase", positive_or_unset)
+    body_steps: int | None = setting(
+        None,
+        "local steps of the body phase (unset: body_epochs or the run's schedule)",
+        positive_or_unset,
+    )
+    body_epochs: float | None = setting(
+        None, "epochs of the body phase (unset: the run's schedule)", positive_or_unset
+    )
 
     shared: ClassVar[tuple[str, ...]] = ("body",)
     personal: ClassVar[tuple[str, ...]] = ("head",)
     label_space: ClassVar[str] = "global"
     per_client_downlink: ClassVar[bool] = True
     sum_aggregate: ClassVar[bool] = False  # the classifiers' weights come from a QP
-
-    def __post_init__(self) -> None:
-        if not self.lam >= 0:
-            raise ConfigError(f"fedpac lam={self.lam} must be 0 or more")
-        check_positive(
-            head_steps=self.head_steps,
-            head_epochs=self.head_epochs,
-            body_steps=self.body_steps,
-            body_epochs=self.body_epochs,
-        )
 
     def schedules(self, run: Schedule) -> dict[str, Schedule]:
         head_epochs = None if self.head_steps is not None else self.head_epochs

@@ -54,7 +54,7 @@ from torch import Tensor
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import at_least, between, one_of, positive, setting
 from pflego.local import train_steps
 from pflego.loss import masked_cross_entropy
 from pflego.models import head_logits
@@ -91,29 +91,26 @@ def mmd(source: Tensor, target: Tensor, mask: Tensor, kernels: int = 5, factor: 
 @register("fedphp")
 @dataclass(frozen=True)
 class FedPHP(Algorithm):
-    lam: float = 0.05
-    transfer: str = "kd"
-    temperature: float = 4.0
-    mu: float = 0.9
-    horizon: int = 100
+    lam: float = setting(
+        0.05, "strength lambda of the transfer from the personal model", between(0, 1)
+    )
+    transfer: str = setting(
+        "kd",
+        "how knowledge transfers: kd (distillation) or mmd",
+        one_of("kd", "mmd", says="must be one of"),
+    )
+    temperature: float = setting(4.0, "temperature of the distillation", positive)
+    mu: float = setting(
+        0.9,
+        "the cap mu of the old personal model's weight mu_k in its moving average",
+        between(0, 1, "[)"),
+    )
+    horizon: int = setting(100, "the rounds mu's schedule spans", at_least(1))
 
     personal: ClassVar[tuple[str, ...]] = ("body", "head")
     # the least worst-case regret over three federations of benchmarks/defaults_study.py
     # (docs/defaults.md); 0.05 was 12% below the best
     default_client_lr: ClassVar[float] = 0.3
-
-    def __post_init__(self) -> None:
-        if self.transfer not in ("kd", "mmd"):
-            raise ConfigError(f"fedphp transfer={self.transfer!r} must be 'kd' or 'mmd'")
-        if not 0 <= self.lam <= 1:
-            raise ConfigError(f"fedphp lam={self.lam} must lie in [0, 1]")
-        if not 0 <= self.mu < 1:
-            raise ConfigError(f"fedphp mu={self.mu} must lie in [0, 1)")
-        if not (self.temperature > 0 and self.horizon >= 1):
-            raise ConfigError(
-                f"fedphp temperature={self.temperature} must be positive and "
-                f"horizon={self.horizon} at least 1"
-            )
 
     def init_client(
         self, downlink: Params, generator: torch.Generator, ctx: RoundContext

@@ -58,7 +58,7 @@ from torch import Tensor
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import non_negative, one_of, setting
 from pflego.local import train_steps
 from pflego.loss import ModelLoss
 from pflego.models import SplitModel, init_head
@@ -113,21 +113,19 @@ def initial_prototypes(model: SplitModel, reference: Tensor) -> Params:
 @dataclass(frozen=True)
 class FedProto(Algorithm):
     server_step: ClassVar[str] = "own"  # the server averages the prototypes per class, by counts
-    lam: float = 1.0
-    proto_weights: str = "samples"
+    lam: float = setting(
+        1.0, "strength lambda of the pull of features toward the global prototypes", non_negative
+    )
+    proto_weights: str = setting(
+        "samples",
+        "how local prototypes are averaged: by samples (Eq. 6) or clients (the code)",
+        one_of("samples", "clients", says="must be one of"),
+    )
 
     shared: ClassVar[tuple[str, ...]] = ()
     personal: ClassVar[tuple[str, ...]] = MODEL
     label_space: ClassVar[str] = "global"
     predictions: ClassVar[tuple[str, ...]] = ("proto",)
-
-    def __post_init__(self) -> None:
-        if not self.lam >= 0:
-            raise ConfigError(f"fedproto lam={self.lam} must be 0 or more")
-        if self.proto_weights not in ("samples", "clients"):
-            raise ConfigError(
-                f"fedproto proto_weights={self.proto_weights!r} must be 'samples' (Eq. 6) or 'clients'"
-            )
 
     # --- server ---------------------------------------------------------------------------------
 

@@ -26,20 +26,16 @@ from typing import ClassVar
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import non_negative, setting
 from pflego.types import ClientData, ClientOut, RoundContext
 
 
 @register("fedprox")
 @dataclass(frozen=True)
 class FedProx(Algorithm):
-    mu: float = 0.01
+    mu: float = setting(0.01, "strength mu of the proximal term", non_negative)
 
     join_trains: ClassVar[bool] = False  # a new client uses the global model as it is
-
-    def __post_init__(self) -> None:
-        if self.mu < 0:
-            raise ConfigError(f"option mu={self.mu} must be 0 or more")
 
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
         trained, mean_loss = self.train(downlink, data, ctx, anchor=downlink, strength=self.mu)

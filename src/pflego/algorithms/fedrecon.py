@@ -44,7 +44,8 @@ from typing import ClassVar
 import torch
 
 from pflego import tree
-from pflego.algorithms.base import FixedHead, check_positive, register
+from pflego.algorithms.base import FixedHead, register
+from pflego.fields import positive_or_unset, setting
 from pflego.models import init_head
 from pflego.types import ClientData, ClientOut, RoundContext, Schedule
 
@@ -58,24 +59,28 @@ def half(data: ClientData, parity: int) -> ClientData:
 @register("fedrecon")
 @dataclass(frozen=True)
 class FedRecon(FixedHead):
-    recon_steps: int | None = None
-    recon_epochs: float | None = None
-    body_steps: int | None = None
-    body_epochs: float | None = None
-    split_dataset: bool = False
-    keep_head: bool = False
+    recon_steps: int | None = setting(
+        None,
+        "local steps of the head's reconstruction (unset: recon_epochs or the run's)",
+        positive_or_unset,
+    )
+    recon_epochs: float | None = setting(
+        None, "epochs of the head's reconstruction", positive_or_unset
+    )
+    body_steps: int | None = setting(
+        None, "local steps of the body update (unset: body_epochs or the run's)", positive_or_unset
+    )
+    body_epochs: float | None = setting(None, "epochs of the body update", positive_or_unset)
+    split_dataset: bool = setting(
+        False, "reconstruct on even-indexed samples, train the body on odd-indexed ones"
+    )
+    keep_head: bool = setting(
+        False, "keep the reconstructed head across visits (the PFLEGO paper's variant)"
+    )
 
     shared: ClassVar[tuple[str, ...]] = ("body",)
     personal: ClassVar[tuple[str, ...]] = ("head",)
     label_space: ClassVar[str] = "local"
-
-    def __post_init__(self) -> None:
-        check_positive(
-            recon_steps=self.recon_steps,
-            recon_epochs=self.recon_epochs,
-            body_steps=self.body_steps,
-            body_epochs=self.body_epochs,
-        )
 
     def init_params(self, seed: int, dtype: torch.dtype = torch.float32):
         generator = torch.Generator().manual_seed(seed + 1)

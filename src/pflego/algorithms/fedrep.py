@@ -43,29 +43,26 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pflego import tree
-from pflego.algorithms.base import Algorithm, check_positive, register
+from pflego.algorithms.base import Algorithm, register
+from pflego.fields import positive_or_unset, setting
 from pflego.types import ClientData, ClientOut, RoundContext, Schedule
 
 
 @register("fedrep")
 @dataclass(frozen=True)
 class FedRep(Algorithm):
-    head_steps: int | None = None
-    head_epochs: float | None = None
-    body_steps: int | None = None
-    body_epochs: float | None = None
+    head_steps: int | None = setting(
+        None, "local steps of the head phase (unset: head_epochs or the run's)", positive_or_unset
+    )
+    head_epochs: float | None = setting(None, "epochs of the head phase", positive_or_unset)
+    body_steps: int | None = setting(
+        None, "local steps of the body phase (unset: body_epochs or the run's)", positive_or_unset
+    )
+    body_epochs: float | None = setting(None, "epochs of the body phase", positive_or_unset)
 
     shared: ClassVar[tuple[str, ...]] = ("body",)
     personal: ClassVar[tuple[str, ...]] = ("head",)
     label_space: ClassVar[str] = "local"
-
-    def __post_init__(self) -> None:
-        check_positive(
-            head_steps=self.head_steps,
-            head_epochs=self.head_epochs,
-            body_steps=self.body_steps,
-            body_epochs=self.body_epochs,
-        )
 
     def schedules(self, run: Schedule) -> dict[str, Schedule]:
         return {

@@ -65,7 +65,7 @@ from torch import Tensor
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import non_negative, setting
 from pflego.local import train_steps
 from pflego.loss import cross_entropies, masked_cross_entropy
 from pflego.models import head_logits
@@ -119,18 +119,14 @@ def safe_norm(sq: Tensor) -> Tensor:
 @register("gpfl")
 @dataclass(frozen=True)
 class GPFL(Algorithm):
-    lam: float = 0.01
-    mu: float = 0.1
+    lam: float = setting(0.01, "strength lambda of the magnitude-level guidance", non_negative)
+    mu: float = setting(
+        0.1, "strength mu of the regularizer of the valve and the category embedding", non_negative
+    )
 
     shared: ClassVar[tuple[str, ...]] = SHARED
     personal: ClassVar[tuple[str, ...]] = ("head", "gpfl")
     default_client_lr: ClassVar[float] = 0.05  # the defaults study's choice (0.3: 28% below)
-
-    def __post_init__(self) -> None:
-        if not self.lam >= 0:
-            raise ConfigError(f"gpfl lam={self.lam} must be 0 or more")
-        if not self.mu >= 0:
-            raise ConfigError(f"gpfl mu={self.mu} must be 0 or more")
 
     def init_params(self, seed: int, dtype: torch.dtype = torch.float32) -> Params:
         """The body, the CoV (PyTorch's Linear and LayerNorm initializations) and GCE ~ N(0, 1)."""

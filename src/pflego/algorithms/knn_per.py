@@ -55,7 +55,7 @@ from torch import Tensor
 
 from pflego.algorithms.base import register
 from pflego.algorithms.fedavg import FedAvg
-from pflego.errors import ConfigError
+from pflego.fields import Rule, between, positive, setting
 from pflego.models import head_logits
 from pflego.tree import Params
 from pflego.types import ClientData, ClientState, RoundContext
@@ -86,17 +86,15 @@ def knn_probabilities(
 class KNNPer(FedAvg):
     join_trains: ClassVar[bool] = False  # the datastore is built, nothing is trained
 
-    k: int = 7
-    lam: float = 0.5
-    temperature: float = 1.0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise ConfigError(f"knn-per k={self.k} must be a positive integer")
-        if not 0 <= self.lam <= 1:
-            raise ConfigError(f"knn-per lam={self.lam} must lie in [0, 1]")
-        if not self.temperature > 0:
-            raise ConfigError(f"knn-per temperature={self.temperature} must be positive")
+    k: int = setting(
+        7,
+        "neighbours the kNN part reads",
+        Rule(lambda v: type(v) is int and v >= 1, "must be a positive integer", "an integer >= 1"),
+    )
+    lam: float = setting(
+        0.5, "weight of the kNN prediction in the mixture with the global model's", between(0, 1)
+    )
+    temperature: float = setting(1.0, "the kernel's length scale T", positive)
 
     def adapt(
         self, downlink: Params, state: ClientState, data: ClientData, ctx: RoundContext

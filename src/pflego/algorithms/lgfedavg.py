@@ -38,6 +38,7 @@ import torch
 
 from pflego.algorithms.base import register
 from pflego.algorithms.fedper import FedPer
+from pflego.fields import setting
 from pflego.local import train_steps
 from pflego.models import init_head
 
@@ -47,7 +48,9 @@ from pflego.models import init_head
 class LGFedAvg(FedPer):
     """FedPer's local training (all layers jointly; shared ones uploaded, personal ones kept)."""
 
-    same_init: bool = False
+    same_init: bool = setting(
+        False, "every client starts from the same local layers (the PGFed code)"
+    )
 
     shared: ClassVar[tuple[str, ...]] = ("head",)
     personal: ClassVar[tuple[str, ...]] = ("body",)

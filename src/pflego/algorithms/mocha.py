@@ -52,6 +52,7 @@ from torch import Tensor
 
 from pflego.algorithms.base import Algorithm, register
 from pflego.errors import ConfigError
+from pflego.fields import positive, setting
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, Schedule, ServerState
 
@@ -62,10 +63,16 @@ DELTA_W = "mocha.delta_w"
 @register("mocha")
 @dataclass(frozen=True)
 class MOCHA(Algorithm):
-    lam: float = 1e-3
-    sdca_fraction: float = 0.5
-    omega_every: int = 10
-    max_samples: int = 4096
+    lam: float = setting(0.001, "regularization strength lambda", positive)
+    sdca_fraction: float = setting(
+        0.5, "the share of a client's samples its local SDCA visits per round", positive
+    )
+    omega_every: int = setting(
+        10, "rounds between updates of the task relationship Sigma", positive
+    )
+    max_samples: int = setting(
+        4096, "the most samples a client may hold (its dual variables are stored)", positive
+    )
 
     shared: ClassVar[tuple[str, ...]] = ("body",)
     personal: ClassVar[tuple[str, ...]] = ("dual",)
@@ -73,11 +80,6 @@ class MOCHA(Algorithm):
     sum_aggregate: ClassVar[bool] = False
     server_step: ClassVar[str] = "own"  # B += Delta b, and the Omega step
     client_step: ClassVar[str] = "own"  # local SDCA on the duals
-
-    def __post_init__(self) -> None:
-        for name in ("lam", "sdca_fraction", "omega_every", "max_samples"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}={getattr(self, name)} of mocha must be positive")
 
     # --- server -------------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import non_negative, positive, setting
 from pflego.local import train_steps
 from pflego.loss import masked_cross_entropy
 from pflego.models import head_logits
@@ -57,14 +57,8 @@ TRAINED = "trained"  # 1 once the client has a previous model
 @dataclass(frozen=True)
 class Moon(Algorithm):
     join_trains: ClassVar[bool] = False  # a new client uses the global model as it is
-    mu: float = 1.0
-    tau: float = 0.5
-
-    def __post_init__(self) -> None:
-        if not self.mu >= 0:
-            raise ConfigError(f"moon mu={self.mu} must be 0 or more")
-        if not self.tau > 0:
-            raise ConfigError(f"moon tau={self.tau} must be positive")
+    mu: float = setting(1.0, "strength mu of the model-contrastive term", non_negative)
+    tau: float = setting(0.5, "temperature tau of the contrastive term", positive)
 
     def init_client(self, downlink, generator, ctx):
         body = tree.select(downlink, ["body"])

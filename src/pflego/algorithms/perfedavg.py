@@ -57,7 +57,7 @@ from torch.func import grad, grad_and_value, jvp
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import one_of, positive, setting
 from pflego.fused_bilevel import Substep, fused_program, real_rows
 from pflego.local import fused_or_none
 from pflego.loss import ModelLoss
@@ -72,25 +72,30 @@ PERSONALIZE = ("paper", "code")
 @register("perfedavg")
 @dataclass(frozen=True)
 class PerFedAvg(Algorithm):
-    alpha: float = 0.03
-    variant: str = "fo"
-    weights: str = "uniform"
-    personalize: str = "paper"
+    alpha: float = setting(
+        0.03,
+        "step size alpha of the personalization (inner) step",
+        positive.noting(" (the personalization step)"),
+    )
+    variant: str = setting(
+        "fo",
+        "the meta-gradient: fo (first order), hf (Hessian-free) or code (the authors' code)",
+        one_of(*VARIANTS, says="must be one of"),
+    )
+    weights: str = setting(
+        "uniform",
+        "how uploads are averaged: uniform, or by samples (the pFedMe code)",
+        one_of(*WEIGHTS, says="must be one of"),
+    )
+    personalize: str = setting(
+        "paper",
+        "how a client personalizes before evaluation: paper (one step) or code (two)",
+        one_of(*PERSONALIZE, says="must be one of"),
+    )
 
     default_client_lr: ClassVar[float] = 0.1
     client_step: ClassVar[str] = "sgd"  # the paper's plain gradient steps
     join_trains: ClassVar[bool] = False  # one step (two with personalize=code), not epochs
-
-    def __post_init__(self) -> None:
-        if not self.alpha > 0:
-            raise ConfigError(f"alpha={self.alpha} must be positive (the personalization step)")
-        for name, value, choices in (
-            ("variant", self.variant, VARIANTS),
-            ("weights", self.weights, WEIGHTS),
-            ("personalize", self.personalize, PERSONALIZE),
-        ):
-            if value not in choices:
-                raise ConfigError(f"{name}={value!r} must be one of {', '.join(choices)}")
 
     @property
     def batches_per_step(self) -> int:

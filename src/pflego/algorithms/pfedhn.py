@@ -79,7 +79,7 @@ from torch.func import vjp
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import at_least, between, non_negative, positive, setting
 from pflego.local import train_steps
 from pflego.loss import masked_cross_entropy
 from pflego.rng import seed_for
@@ -97,39 +97,26 @@ SHIFT = "embedding_shift"  # a newcomer's learned v minus that start (its client
 class PFedHN(Algorithm):
     """pFedHN (see the module docstring); options are the hypernetwork and its optimizer."""
 
-    hyper_lr: float = 0.01
-    hyper_momentum: float = 0.9
-    hyper_weight_decay: float = 0.001
-    hidden_dim: int = 100
-    hidden_layers: int = 3
-    embedding_dim: int | None = None
-    max_grad_norm: float = 50.0
+    hyper_lr: float = setting(0.01, "step size of the hypernetwork", positive)
+    hyper_momentum: float = setting(
+        0.9, "momentum of the hypernetwork's optimizer", between(0, 1, "[)")
+    )
+    hyper_weight_decay: float = setting(
+        0.001, "weight decay of the hypernetwork's optimizer", non_negative
+    )
+    hidden_dim: int = setting(100, "width of the hypernetwork's hidden layers", at_least(1))
+    hidden_layers: int = setting(3, "hidden layers of the hypernetwork", non_negative)
+    embedding_dim: int | None = setting(
+        None, "width of the client embeddings (unset: 1 + clients / 4)", at_least(1)
+    )
+    max_grad_norm: float = setting(
+        50.0, "the hypernetwork's gradient is clipped to this norm", positive.noting(" (inf: none)")
+    )
 
     personal: ClassVar[tuple[str, ...]] = ("body", "head")
     per_client_downlink: ClassVar[bool] = True
     sum_aggregate: ClassVar[bool] = False
     server_step: ClassVar[str] = "own"  # momentum SGD on the hypernetwork, its own settings
-
-    def __post_init__(self) -> None:
-        if not self.hyper_lr > 0:
-            raise ConfigError(f"pfedhn hyper_lr={self.hyper_lr} must be positive")
-        if not 0 <= self.hyper_momentum < 1:
-            raise ConfigError(f"pfedhn hyper_momentum={self.hyper_momentum} must lie in [0, 1)")
-        if not self.hyper_weight_decay >= 0:
-            raise ConfigError(
-                f"pfedhn hyper_weight_decay={self.hyper_weight_decay} must be 0 or more"
-            )
-        if self.hidden_dim < 1 or self.hidden_layers < 0:
-            raise ConfigError(
-                f"pfedhn hidden_dim={self.hidden_dim} must be at least 1 and "
-                f"hidden_layers={self.hidden_layers} at least 0"
-            )
-        if self.embedding_dim is not None and self.embedding_dim < 1:
-            raise ConfigError(f"pfedhn embedding_dim={self.embedding_dim} must be at least 1")
-        if not self.max_grad_norm > 0:
-            raise ConfigError(
-                f"pfedhn max_grad_norm={self.max_grad_norm} must be positive (inf: none)"
-            )
 
     # --- the hypernetwork -----------------------------------------------------------------------
 

@@ -63,7 +63,7 @@ from torch import Tensor
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import at_least, one_of, positive, setting
 from pflego.local import train_steps
 from pflego.loss import ModelLoss
 from pflego.optim import Proximal
@@ -78,28 +78,32 @@ PERSONALIZED = "personalized"  # state flag: 1 once the client holds a theta of 
 @register("pfedme")
 @dataclass(frozen=True)
 class PFedMe(Algorithm):
-    lam: float = 15.0
-    K: int = 5
-    personal_lr: float = 0.03  # the defaults study's choice (the paper's 0.09: 32% below)
-    beta: float = 1.0
-    sampled: int = 0
-    weights: str = "uniform"
+    lam: float = setting(
+        15.0, "strength lambda of the pull of the personal model theta_i toward w", positive
+    )
+    K: int = setting(5, "steps of the inner problem that gives theta_i", at_least(1))
+    personal_lr: float = setting(
+        0.03,
+        "step size of the inner steps (the defaults study's; the paper's 0.09: 32% below)",
+        positive,
+    )
+    beta: float = setting(
+        1.0, "the server's mixing beta: w <- (1 - beta) w + beta mean w_i", positive
+    )
+    sampled: int = setting(
+        0,
+        "uploads the server mixes each round (0: all that trained)",
+        at_least(0).noting(": 0 (all) or a number of clients"),
+    )
+    weights: str = setting(
+        "uniform",
+        "how the server averages: uniform, or by samples (the authors' code)",
+        one_of(*WEIGHTS, says="must be one of"),
+    )
 
     predictions: ClassVar[tuple[str, ...]] = ("global",)
     downlink_predictions: ClassVar[tuple[str, ...]] = ("global",)
     default_client_lr: ClassVar[float] = 0.005  # eta of the paper's Figures 1-4
-
-    def __post_init__(self) -> None:
-        if not (self.lam > 0 and self.K >= 1 and self.personal_lr > 0 and self.beta > 0):
-            raise ConfigError(
-                f"pfedme needs lam > 0, K >= 1, personal_lr > 0 and beta > 0 "
-                f"(got lam={self.lam}, K={self.K}, personal_lr={self.personal_lr}, "
-                f"beta={self.beta})"
-            )
-        if self.sampled < 0:
-            raise ConfigError(f"sampled={self.sampled} must be 0 (all) or a number of clients")
-        if self.weights not in WEIGHTS:
-            raise ConfigError(f"weights={self.weights!r} must be one of {', '.join(WEIGHTS)}")
 
     # --- client -------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from torch.func import grad_and_value, vjp
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import one_of, setting
 from pflego.local import train_steps
 from pflego.loss import ModelLoss
 from pflego.types import ClientData, ClientOut, RoundContext, Schedule
@@ -55,7 +55,11 @@ from pflego.types import ClientData, ClientOut, RoundContext, Schedule
 @register("pflego")
 @dataclass(frozen=True)
 class PFLEGO(Algorithm):
-    head_step: str = "exact"
+    head_step: str = setting(
+        "exact",
+        "the final head step: exact, or eq3 (the paper's Eq. 3)",
+        one_of("exact", "eq3", says="must be one of"),
+    )
 
     shared: ClassVar[tuple[str, ...]] = ("body",)
     personal: ClassVar[tuple[str, ...]] = ("head",)
@@ -65,10 +69,6 @@ class PFLEGO(Algorithm):
     # diverged on MNIST Dirichlet(0.3) with batch 10, and on Fashion-MNIST (issue 25)
     default_client_lr: ClassVar[float] = 0.3
     default_server_lr: ClassVar[float] = 0.1
-
-    def __post_init__(self) -> None:
-        if self.head_step not in ("exact", "eq3"):
-            raise ConfigError(f"head_step={self.head_step!r} must be 'exact' or 'eq3'")
 
     def schedules(self, run: Schedule) -> dict[str, Schedule]:
         """The joint gradient's batch: B samples drawn uniformly, apart from the head steps'."""

@@ -67,7 +67,7 @@ from torch.func import grad_and_value
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import non_negative, one_of, positive, setting
 from pflego.fused_bilevel import Substep, fused_program
 from pflego.local import fused_or_none, train_steps, train_steps_summing_iterates
 from pflego.loss import ModelLoss, masked_cross_entropy
@@ -88,28 +88,26 @@ def pairwise_dots(rows: Params, columns: Params) -> Tensor:
 @register("pgfed")
 @dataclass(frozen=True)
 class PGFed(Algorithm):
-    mu: float = 0.1
-    lam: float = 0.01
-    alpha_gradient: str = "exact"
-    nonnegative: bool = True
-    join_epochs: float = 20.0
-    keep_optimizer: bool = False
+    mu: float = setting(0.1, "strength mu of the gradient-based personalization term", non_negative)
+    lam: float = setting(0.01, "strength lambda of the coefficients' regularizer", non_negative)
+    alpha_gradient: str = setting(
+        "exact",
+        "the coefficients' gradient: exact (Eq. 11) or mean (Eq. 12, the code)",
+        one_of("exact", "mean", says="must be one of"),
+    )
+    nonnegative: bool = setting(True, "project the coefficients a_ij onto a_ij >= 0")
+    join_epochs: float = setting(
+        20.0, "epochs a new client fine-tunes the global model for", positive
+    )
+    keep_optimizer: bool = setting(
+        False, "keep each client's momentum buffers across rounds (the authors' code)"
+    )
 
     per_client_downlink: ClassVar[bool] = True
     # the least worst-case regret over three federations of benchmarks/defaults_study.py
     # (docs/defaults.md; 0.05 was 11% below the best) among the points that never diverged:
     # 0.3, best at 20 rounds, diverged by round 50 of the leaderboard preset's 100
     default_client_lr: ClassVar[float] = 0.1
-
-    def __post_init__(self) -> None:
-        if self.alpha_gradient not in ("exact", "mean"):
-            raise ConfigError(
-                f"alpha_gradient={self.alpha_gradient!r} must be 'exact' (Eq. 11) or 'mean' (Eq. 12)"
-            )
-        if self.mu < 0 or self.lam < 0:
-            raise ConfigError(f"mu={self.mu} and lam={self.lam} must be 0 or more")
-        if not self.join_epochs > 0:
-            raise ConfigError(f"join_epochs={self.join_epochs} must be positive")
 
     # --- server ---------------------------------------------------------------------------------
 

@@ -27,18 +27,15 @@ import torch
 from pflego import tree
 from pflego.algorithms.base import register
 from pflego.algorithms.pgfed import MODEL, PGFed
-from pflego.errors import ConfigError
+from pflego.fields import between, setting
 
 
 @register("pgfedmo")
 @dataclass(frozen=True)
 class PGFedMo(PGFed):
-    beta: float = 0.5
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 <= self.beta < 1:
-            raise ConfigError(f"beta={self.beta} must lie in [0, 1)")
+    beta: float = setting(
+        0.5, "momentum beta of the auxiliary gradients (0: PGFed)", between(0, 1, "[)")
+    )
 
     def downlink(self, server, ctx, clients=None):
         """PGFed's payload, plus whether its auxiliary gradient is real (S_{t-1} not empty)."""

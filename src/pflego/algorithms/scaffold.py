@@ -48,7 +48,7 @@ from torch.func import grad
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.errors import ConfigError
+from pflego.fields import one_of, setting
 from pflego.local import train_steps
 from pflego.loss import ModelLoss
 from pflego.types import ClientData, ClientOut, RoundContext
@@ -62,13 +62,11 @@ DC = "dc."  # Delta c_i = c_i^+ - c_i, in the upload
 @dataclass(frozen=True)
 class Scaffold(Algorithm):
     join_trains: ClassVar[bool] = False  # a new client uses the global model as it is
-    control_option: int = 2
-
-    def __post_init__(self) -> None:
-        if self.control_option not in (1, 2):
-            raise ConfigError(
-                f"scaffold control_option={self.control_option} must be 1 (c_i = g_i(x)) or 2"
-            )
+    control_option: int = setting(
+        2,
+        "how c_i is updated: 1 (c_i = g_i(x)) or 2 (the paper's experiments)",
+        one_of(1, 2, says="must be one of"),
+    )
 
     def init_server(self, params):
         return {**super().init_server(params), "c": tree.zeros_like(params)}

@@ -6,49 +6,115 @@ Every flag's help shows its default and its choices; abbreviated flags are refus
 :func:`build_parser` gathers the commands from their modules (:mod:`~pflego.cli.run`,
 :mod:`~pflego.cli.compare`, :mod:`~pflego.cli.tools`, :mod:`~pflego.cli.experiments`,
 :mod:`~pflego.cli.flower`, and ``bench`` from :mod:`pflego.bench`); the flags that several
-commands share are defined once in :mod:`~pflego.cli.flags`.
+commands share are defined once in :mod:`~pflego.cli.flags`. A command's flags show the
+registries' choices and defaults, which imports torch, so :class:`Commands` builds a command's
+parser only when that command is chosen: ``pflego --help`` and ``pflego --version`` import
+neither torch nor a command module.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pflego._version import __version__
-from pflego.cli import compare, experiments, flower, run, tools
-from pflego.cli.flags import add_threads_flag
 from pflego.cli.parsing import Parser, leaf_parsers
 from pflego.cli.session import Interrupted, command_environment
 from pflego.errors import PflegoError
 
+#: Every command, in the order of ``pflego --help``: its one-line help there, and the function
+#: (``module:name``) that adds it and its flags (tests/test_cli.py holds the two helps equal).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("run one experiment", "pflego.cli.run:add_command"),
+    "compare": (
+        "run several algorithms and compare them (no flags: the main experiment)",
+        "pflego.cli.compare:add_command",
+    ),
+    "plot": (
+        "plot runs' training loss and test accuracy (mean, bottom decile)",
+        "pflego.cli.tools:add_commands",
+    ),
+    "list": (
+        "list algorithms (with their step sizes and options), datasets and models",
+        "pflego.cli.tools:add_commands",
+    ),
+    "reproduce": (
+        "run a paper experiment (a preset) and write its table beside the paper's numbers",
+        "pflego.cli.experiments:add_commands",
+    ),
+    "tune": (
+        "grid search on validation data, then rerun the choice with --seeds",
+        "pflego.cli.experiments:add_commands",
+    ),
+    "report": (
+        "rebuild a comparison table and figure from existing run directories",
+        "pflego.cli.experiments:add_commands",
+    ),
+    "bench": (
+        "measure simulator speed, client FLOPs and memory, or compare with the usual way",
+        "pflego.bench.command:add_commands",
+    ),
+    "flower": ("run on Flower (needs pflego[flower])", "pflego.cli.flower:add_commands"),
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of the ``pflego`` command and all its commands (imports torch and the registries)."""
-    from pflego import bench
 
+class Commands(argparse._SubParsersAction):
+    """The sub-commands of ``pflego``, each an empty stand-in until it is chosen (or
+    :meth:`build` is called), when the function of :data:`COMMANDS` adds it with its flags."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for name, (text, _) in COMMANDS.items():
+            self.add_parser(name, help=text)
+        self.pending = dict.fromkeys(COMMANDS)
+
+    def build(self, name: str) -> None:
+        """Replace the stand-ins of ``name``'s module by the real parsers (with ``--threads``)."""
+        from pflego.cli.flags import add_threads_flag
+
+        if name not in self.pending:
+            return
+        adder = COMMANDS[name][1]
+        names = [other for other, (_, spec) in COMMANDS.items() if spec == adder]
+        for other in names:
+            del self._name_parser_map[other], self.pending[other]
+        self._choices_actions = [a for a in self._choices_actions if a.dest not in names]
+        module, function = adder.split(":")
+        getattr(importlib.import_module(module), function)(self)
+        for other in names:
+            for leaf in leaf_parsers(self._name_parser_map[other]):
+                if "--threads" not in leaf._option_string_actions:
+                    add_threads_flag(leaf)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        self.build(values[0])
+        super().__call__(parser, namespace, values, option_string)
+
+
+def build_parser(lazy: bool = False) -> argparse.ArgumentParser:
+    """The parser of the ``pflego`` command and all its commands (imports torch and the
+    registries); ``lazy``: each command's parser is built when it is chosen."""
     parser = Parser(
         prog="pflego",
         description="Personalized federated learning: PFLEGO and the methods it is compared with.",
     )
     parser.add_argument("--version", action="version", version=f"pflego {__version__}")
-    sub = parser.add_subparsers(dest="command", parser_class=Parser, metavar="COMMAND")
-    run.add_command(sub)
-    compare.add_command(sub)
-    tools.add_commands(sub)
-    experiments.add_commands(sub)
-    bench.add_commands(sub)
-    flower.add_commands(sub)
-    for leaf in leaf_parsers(parser):
-        if leaf is not parser and "--threads" not in leaf._option_string_actions:
-            add_threads_flag(leaf)
+    commands = parser.add_subparsers(
+        dest="command", parser_class=Parser, metavar="COMMAND", action=Commands
+    )
+    if not lazy:
+        for name in COMMANDS:
+            commands.build(name)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pflego`` console script."""
     try:
-        parser = build_parser()  # imports torch and the registries
+        parser = build_parser(lazy=True)  # the chosen command's parser imports torch
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error already reported in one line
         return int(exc.code or 0)

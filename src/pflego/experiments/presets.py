@@ -293,7 +293,13 @@ def _rows(algorithms: Any, metric: str, where: str) -> dict[str, Row]:
             str(spec.get("metric", metric)),
             None if same is None else str(same),
         )
-    for row in rows.values():
+    return _resolve_same_runs(rows, where)
+
+
+def _resolve_same_runs(rows: dict[str, Row], where: str) -> dict[str, Row]:
+    """The rows with each ``same_run_as`` row running its source's algorithm (which must be
+    another row with its own runs)."""
+    for row in list(rows.values()):
         source = rows.get(row.same_run_as) if row.same_run_as else None
         if row.same_run_as and (source is None or source.same_run_as):
             raise ConfigError(
@@ -335,6 +341,84 @@ def _paper_numbers(
     return out
 
 
+def _blocks(values: Any, rows: dict[str, Row], where: str) -> tuple[dict, dict, dict]:
+    """A ``blocks`` mapping: each block's settings, its datasets and its row overrides."""
+    values = values or {ALL: {}}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: 'blocks' must map block names to settings")
+    blocks, block_data, block_rows = {}, {}, {}
+    for block, spec in values.items():
+        block, spec = str(block), spec or {}
+        here = f"{where}: blocks.{block}"
+        if "/" in block or block.startswith("."):
+            raise ConfigError(f"{where}: block name {block!r} cannot hold '/' or start with '.'")
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{here} must be a mapping of settings")
+        blocks[block] = check_settings({k: v for k, v in spec.items() if k not in BLOCK_KEYS}, here)
+        if "data" in spec:
+            block_data[block] = _datasets(spec["data"], f"{here}.data")
+        overrides = spec.get("algorithms") or {}
+        if not isinstance(overrides, dict):
+            raise ConfigError(f"{here}.algorithms must map rows to settings")
+        for row, settings in overrides.items():
+            _own_runs(row, rows, f"{here}.algorithms.{row}")
+            block_rows.setdefault(block, {})[str(row)] = check_settings(
+                settings, f"{here}.algorithms.{row}"
+            )
+    return blocks, block_data, block_rows
+
+
+def _own_runs(row: Any, rows: dict[str, Row], where: str) -> None:
+    """Fail unless ``row`` names a row with its own runs (not ``same_run_as`` another)."""
+    if str(row) not in rows or rows[str(row)].same_run_as:
+        raise ConfigError(f"{where} is not a row with its own runs")
+
+
+def _tune(values: Any, rows: dict[str, Row], where: str) -> dict[str, list[tuple[str, list]]]:
+    """``tune``: row -> its grid."""
+    tune = {}
+    for row, grid in (values or {}).items():
+        _own_runs(row, rows, f"{where}: tune.{row}")
+        tune[str(row)] = _grid(grid, f"{where}: tune.{row}")
+    return tune
+
+
+def _sweep(values: Any, where: str) -> tuple[str, list[Any]] | None:
+    """``sweep``: one setting and its values, or ``None``."""
+    if values is None:
+        return None
+    grid = _grid(values, f"{where}: sweep")
+    if len(grid) != 1:
+        raise ConfigError(f"{where}: sweep takes exactly one setting and its values")
+    return grid[0]
+
+
+def _table_measures(values: dict[str, Any], results: dict, std: dict) -> None:
+    """Add the table-like quantities beside the main metric to ``results`` and ``std``: rounds to
+    reach ``target_acc`` and the per-client gain over the ``local`` row ([mean, std] over
+    clients), block -> row -> number."""
+    for block, table in (values.get("paper_rounds_to_target") or {}).items():
+        for row, rounds in table.items():
+            results.setdefault(str(block), {}).setdefault(row, {})["rounds_to_target"] = float(
+                rounds
+            )
+    for block, table in (values.get("paper_gain_over_local") or {}).items():
+        for row, (mean, spread) in table.items():
+            results.setdefault(str(block), {}).setdefault(row, {})["gain_over_local"] = float(mean)
+            std.setdefault(str(block), {}).setdefault(row, {})["gain_over_local"] = float(spread)
+
+
+def _target_and_ranked(values: dict[str, Any], where: str) -> tuple[float | None, bool]:
+    """``target_acc`` (an accuracy in (0, 1], or unset) and ``ranked`` (true or false)."""
+    target = values.get("target_acc")
+    if target is not None and not (isinstance(target, int | float) and 0 < target <= 1):
+        raise ConfigError(f"{where}: target_acc={target!r} must be an accuracy in (0, 1]")
+    ranked = values.get("ranked", False)
+    if not isinstance(ranked, bool):
+        raise ConfigError(f"{where}: ranked={ranked!r} must be true or false")
+    return None if target is None else float(target), ranked
+
+
 def parse_preset(values: dict[str, Any], name: str) -> Preset:
     """Check a preset mapping and build the :class:`Preset` (one-line errors naming the key)."""
     where = f"preset {name}"
@@ -349,63 +433,15 @@ def parse_preset(values: dict[str, Any], name: str) -> Preset:
         )
     metric = str(values.get("metric") or DEFAULT_METRIC)
     rows = _rows(values.get("algorithms"), metric, where)
-    blocks_raw = values.get("blocks") or {ALL: {}}
-    if not isinstance(blocks_raw, dict):
-        raise ConfigError(f"{where}: 'blocks' must map block names to settings")
-    blocks, block_data, block_rows = {}, {}, {}
-    for block, spec in blocks_raw.items():
-        block, spec = str(block), spec or {}
-        here = f"{where}: blocks.{block}"
-        if "/" in block or block.startswith("."):
-            raise ConfigError(f"{where}: block name {block!r} cannot hold '/' or start with '.'")
-        if not isinstance(spec, dict):
-            raise ConfigError(f"{here} must be a mapping of settings")
-        blocks[block] = check_settings({k: v for k, v in spec.items() if k not in BLOCK_KEYS}, here)
-        if "data" in spec:
-            block_data[block] = _datasets(spec["data"], f"{here}.data")
-        overrides = spec.get("algorithms") or {}
-        if not isinstance(overrides, dict):
-            raise ConfigError(f"{here}.algorithms must map rows to settings")
-        for row, settings in overrides.items():
-            if str(row) not in rows or rows[str(row)].same_run_as:
-                raise ConfigError(f"{here}.algorithms.{row} is not a row with its own runs")
-            block_rows.setdefault(block, {})[str(row)] = check_settings(
-                settings, f"{here}.algorithms.{row}"
-            )
-    tune: dict[str, list[tuple[str, list[Any]]]] = {}
-    for row, grid in (values.get("tune") or {}).items():
-        if str(row) not in rows or rows[str(row)].same_run_as:
-            raise ConfigError(f"{where}: tune.{row} is not a row with its own runs")
-        tune[str(row)] = _grid(grid, f"{where}: tune.{row}")
-    sweep = None
-    if values.get("sweep") is not None:
-        grid = _grid(values["sweep"], f"{where}: sweep")
-        if len(grid) != 1:
-            raise ConfigError(f"{where}: sweep takes exactly one setting and its values")
-        sweep = grid[0]
+    blocks, block_data, block_rows = _blocks(values.get("blocks"), rows, where)
+    tune = _tune(values.get("tune"), rows, where)
+    sweep = _sweep(values.get("sweep"), where)
     paper_results = _paper_numbers(
         values.get("paper_results"), "paper_results", blocks, rows, where
     )
     paper_std = _paper_numbers(values.get("paper_std"), "paper_std", blocks, rows, where)
-    # Table-like quantities beside the main metric: rounds to reach ``target_acc`` and the
-    # per-client gain over the ``local`` row ([mean, std] over clients), block -> row -> number.
-    for block, table in (values.get("paper_rounds_to_target") or {}).items():
-        for row, rounds in table.items():
-            paper_results.setdefault(str(block), {}).setdefault(row, {})["rounds_to_target"] = (
-                float(rounds)
-            )
-    for block, table in (values.get("paper_gain_over_local") or {}).items():
-        for row, (mean, std) in table.items():
-            paper_results.setdefault(str(block), {}).setdefault(row, {})["gain_over_local"] = float(
-                mean
-            )
-            paper_std.setdefault(str(block), {}).setdefault(row, {})["gain_over_local"] = float(std)
-    target = values.get("target_acc")
-    if target is not None and not (isinstance(target, int | float) and 0 < target <= 1):
-        raise ConfigError(f"{where}: target_acc={target!r} must be an accuracy in (0, 1]")
-    ranked = values.get("ranked", False)
-    if not isinstance(ranked, bool):
-        raise ConfigError(f"{where}: ranked={ranked!r} must be true or false")
+    _table_measures(values, paper_results, paper_std)
+    target, ranked = _target_and_ranked(values, where)
     return Preset(
         name=name,
         description=str(values.get("description") or ""),
@@ -427,7 +463,7 @@ def parse_preset(values: dict[str, Any], name: str) -> Preset:
         ),
         tune=tune,
         sweep=sweep,
-        target_acc=None if target is None else float(target),
+        target_acc=target,
         ranked=ranked,
     )
 

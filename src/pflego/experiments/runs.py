@@ -176,29 +176,47 @@ def build_plan(
     for block in preset.blocks:
         for name, row in preset.rows.items():
             for value in preset.sweep[1] if preset.sweep else [None]:
-                values = preset.run_settings(
-                    block,
-                    name,
-                    tuned.get(block, {}).get(row.runs_as, {}).get("values"),
-                    quick,
-                    offline,
-                    value,
-                    overrides,
-                )
+                chosen = tuned.get(block, {}).get(row.runs_as, {}).get("values")
+                values = preset.run_settings(block, name, chosen, quick, offline, value, overrides)
                 for seed in seeds if seeds is not None else [None]:
                     config = checked_config(values if seed is None else {**values, "seed": seed})
                     directory = run_dir_name(
-                        preset,
-                        block,
-                        name,
-                        value,
-                        config.seed,
-                        seed_dirs or seeds is not None,
+                        preset, block, name, value, config.seed, seed_dirs or seeds is not None,
                         row_dirs,
-                    )
+                    )  # fmt: skip
                     runs.append(
                         PlannedRun(block, name, config.seed, value, directory, to_dict(config))
                     )
+    compared = not (offline or quick)  # a smoke test or stand-in data: no paper numbers
+    return Plan(
+        kind=kind,
+        name=preset.name,
+        description=preset.description,
+        paper=preset.paper,
+        source=preset.source,
+        metric=preset.metric,
+        blocks=preset.blocks,
+        rows=[
+            {"name": n, "algorithm": r.algorithm, "metric": r.metric, "runs_as": r.runs_as}
+            for n, r in preset.rows.items()
+        ],
+        sweep=[preset.sweep[0], preset.sweep[1]] if preset.sweep else None,
+        seeds=sorted({r.seed for r in runs}),
+        paper_results=preset.paper_results if compared else {},
+        paper_std=preset.paper_std if compared else {},
+        paper_groups=preset.paper_groups if compared else {},
+        notes=plan_notes(preset, quick, offline, overrides),
+        tuned={b: dict(t) for b, t in tuned.items()},
+        runs=runs,
+        ranked=preset.ranked,
+    )
+
+
+def plan_notes(
+    preset: Preset, quick: bool, offline: bool, overrides: dict[str, Any] | None
+) -> list[str]:
+    """The lines a report states about how a plan departs from the preset (stand-in data,
+    command-line settings, the quick form)."""
     notes = []
     if offline and preset.offline:
         notes.append(
@@ -211,33 +229,7 @@ def build_plan(
         notes.append(f"Set on the command line for every run: {point_label(shown)}.")
     if quick and preset.quick:
         notes.append(f"Quick form ({point_label(preset.quick)}): a smoke test, not a reproduction.")
-    return Plan(
-        kind=kind,
-        name=preset.name,
-        description=preset.description,
-        paper=preset.paper,
-        source=preset.source,
-        metric=preset.metric,
-        blocks=preset.blocks,
-        rows=[
-            {
-                "name": n,
-                "algorithm": preset.rows[n].algorithm,
-                "metric": preset.rows[n].metric,
-                "runs_as": preset.rows[n].runs_as,
-            }
-            for n in preset.rows
-        ],
-        sweep=[preset.sweep[0], preset.sweep[1]] if preset.sweep else None,
-        seeds=sorted({r.seed for r in runs}),
-        paper_results={} if offline or quick else preset.paper_results,
-        paper_std={} if offline or quick else preset.paper_std,
-        paper_groups={} if offline or quick else preset.paper_groups,
-        notes=notes,
-        tuned={b: dict(t) for b, t in tuned.items()},
-        runs=runs,
-        ranked=preset.ranked,
-    )
+    return notes
 
 
 def checked_config(values: dict[str, Any]) -> Config:

@@ -11,12 +11,13 @@ Modules:
         train, evaluate, state files).
     ``apps``: the ``ServerApp`` and ``ClientApp`` (``pflego.flower.apps:server_app`` /
         ``client_app``), and the client state kept in ``context.state`` and on disk.
-    ``server``: the server loop over a Flower ``Grid`` (``FlowerServer``), built on the modules that follow.
-    ``messaging``: the server's messages to the nodes (downlinks, replies, missing clients).
-    ``membership``: the population learned from the nodes, late joiners.
-    ``training``: a training round (cohort, uploads that arrived, plain or secure aggregation).
+    ``server``: the server loop over a Flower ``Grid`` (``FlowerServer``), its checkpoint and
+        resume, built on the modules that follow.
+    ``membership``: the population learned from the nodes, late joiners, the server's messages
+        to the nodes (downlinks, replies, missing clients).
+    ``training``: a training round: the engine's round with plain or SecAgg+ messages as its
+        transport.
     ``evaluation``: the evaluation rounds and the run's records.
-    ``checkpoints``: the server's checkpoint and resume.
     ``status``: bytes and seconds per round, the status line, the event log ``flower.jsonl``.
     ``unsupported``: the runs Flower's client-server rounds cannot do, refused in one line.
     ``secure``: secure aggregation of a round's sum with Flower's SecAgg+.

@@ -32,9 +32,10 @@ from typing import Any
 
 import numpy as np
 
+from pflego.algorithms import Algorithm
 from pflego.config import Config
 from pflego.errors import ConfigError, DataError
-from pflego.sim import Experiment, Simulation
+from pflego.sim.engine import Sampling
 from pflego.types import RoundContext
 
 
@@ -262,25 +263,13 @@ class Population:
                 outcome[report.site] = len(self.members) - 1
         return outcome
 
-    def maths(self, config: Config, algorithm) -> Simulation:
-        """The simulator's round maths over this population: a ``Simulation`` whose data is
-        this population's counts (``num_clients``, ``total_train``) and which holds no data,
-        client states or backend; only its ``context`` and ``cohort`` are used, so a Flower
-        round's context and cohort are the simulator's by construction."""
-        simulation = Simulation.__new__(Simulation)
-        simulation.cfg, simulation.algorithm = config, algorithm
-        simulation.exp = Experiment(config, self, algorithm)
-        return simulation
+    def context(self, config: Config, algorithm: Algorithm, t: int) -> RoundContext:
+        """Round t's context over the known population (the simulator's :class:`Sampling`)."""
+        return Sampling(config, algorithm, self).context(t)
 
-    def context(self, config: Config, algorithm, t: int) -> RoundContext:
-        """Round t's context over the known population (as the simulator computes it)."""
-        return self.maths(config, algorithm).context(t)
-
-    def cohort(self, config: Config, algorithm, t: int) -> np.ndarray:
+    def cohort(self, config: Config, algorithm: Algorithm, t: int) -> np.ndarray:
         """Round t's sampled client ids (the simulator's draw over I known clients)."""
-        if not self.members:
-            return np.zeros(0, np.int64)
-        return self.maths(config, algorithm).cohort(t)
+        return Sampling(config, algorithm, self).cohort(t)
 
     def summary(self) -> list[dict[str, Any]]:
         """``partition.json`` rows: each client's name, classes (global ids) and counts."""

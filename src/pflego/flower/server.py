@@ -1,20 +1,26 @@
 """The generic server loop on a Flower ``Grid``: one loop for every registered algorithm.
 
 :class:`FlowerServer` waits for the nodes and learns the population from them
-(:mod:`.membership`), or loads it from a checkpoint to resume (:mod:`.checkpoints`); then it runs
+(:mod:`.membership`), or loads it from a checkpoint to resume; then it runs
 every training round (:mod:`.training`), evaluates on the simulator's schedule
 (:mod:`.evaluation`), checkpoints its state atomically after each round (``checkpoint.pt``, so a
 restarted ServerApp continues with ``resume``; nodes keep their clients' states on their disks),
 and prints and logs a status line (sampled / answered / failed clients, bytes down and up, seconds
-per phase, :mod:`.status`). Its messages to the nodes go through :mod:`.messaging`; a run that
+per phase, :mod:`.status`). Its messages to the nodes go through :mod:`.membership`; a run that
 Flower cannot do is refused first (:mod:`.unsupported`). Missing nodes never stop the run; a round
 that diverges (``DivergedError``) stops it and is logged in ``flower.jsonl`` as phase
 ``diverged`` (``pflego flower local`` then exits with code 3).
 
 The server is built in layers, each a module of one concern and a base of the next:
-:class:`~.messaging.NodeMessaging` → :class:`~.membership.Membership` →
-:class:`~.training.TrainingRounds` → :class:`~.evaluation.EvaluationRounds` →
-:class:`~.checkpoints.ServerCheckpoints` → :class:`FlowerServer` (the run itself).
+:class:`~.membership.Membership` (the population, its nodes, the messages) →
+:class:`~.training.TrainingRounds` (the engine's round with Flower transports) →
+:class:`~.evaluation.EvaluationRounds` → :class:`FlowerServer` (the run, its checkpoint).
+
+After every round the server saves its state atomically in the run directory: the next round, the
+algorithm's server state, the population, the records, the dropped updates, the seconds spent, the
+run key and the config. A restarted ServerApp given ``resume`` loads it, rebuilds the algorithm,
+rewinds the run directory to the checkpoint and continues (the nodes keep their clients' states on
+their disks under the same run key). A simulator checkpoint is refused.
 """
 
 from __future__ import annotations
@@ -26,19 +32,22 @@ from typing import Any
 from flwr.serverapp import Grid
 
 from pflego.config import Config, to_dict
-from pflego.environment import environment
+from pflego.environment import CHECKPOINT_FORMAT, environment, pflego_version
 from pflego.errors import ConfigError, DivergedError
-from pflego.flower.checkpoints import ServerCheckpoints
+from pflego.flower.evaluation import EvaluationRounds
+from pflego.flower.population import Population
 from pflego.flower.secure import SecureAggregation
 from pflego.flower.status import EVENTS, MeteredGrid, log_event, status_line, timed
 from pflego.flower.unsupported import refuse_unsupported
 from pflego.history import History, RunDir
+from pflego.sim.engine import Callback, history_of, train
 from pflego.trackers import tracking
 
 log = logging.getLogger("pflego.flower")
+CHECKPOINT_KIND = "flower-server"
 
 
-class FlowerServer(ServerCheckpoints):
+class FlowerServer(EvaluationRounds):
     """A run's server: the population, the shared state, and the round loop.
 
     Args:
@@ -90,6 +99,7 @@ class FlowerServer(ServerCheckpoints):
         self.secure_errors = []  # this evaluation period's SecAgg+ error bounds
         self.next_round = 0
         self.seconds = 0.0
+        self.events = []  # the events of the round that ran last
 
     def start(self) -> None:
         """Form the population (or load it with the rest of a checkpoint) and map the nodes."""
@@ -114,40 +124,93 @@ class FlowerServer(ServerCheckpoints):
             if self.evaluation_missing():
                 self.evaluate(self.next_round)
                 self.checkpoint()
-            for t in range(self.next_round, self.cfg.rounds):
-                start = time.perf_counter()
-                try:
-                    event = self.run_round(t)
-                except DivergedError as exc:  # `pflego flower local` reads it back: exit code 3
-                    log_event(self.run_dir, {"round": t, "phase": "diverged", "error": str(exc)})
-                    raise
-                self.seconds += time.perf_counter() - start
-                self.next_round = t + 1
-                phases, events = event.setdefault("phases", {}), [event]
-                if self.should_evaluate(t + 1):
-                    with timed(phases, "evaluate"):
-                        self.evaluate(t + 1, events)
-                with timed(phases, "checkpoint"):
-                    self.checkpoint()
-                for logged in events:
-                    log_event(self.run_dir, logged)
-                self.status(event)
-            history = History(self.records, self.run_dir.path if self.run_dir else None)
-            if self.run_dir and self.records:
-                from pflego.plots import plot_histories
+            train(self.next_round, self.cfg.rounds, self.step, [RoundEvents(self)])
+            cfg, records = self.cfg, self.records
+            title = f"{cfg.algorithm} on {cfg.dataset} (Flower)"
+            return history_of(self.run_dir, records, cfg.algorithm, title, bool(records))
 
-                plot_histories(
-                    {self.cfg.algorithm: history},
-                    self.run_dir.path / "curves.png",
-                    f"{self.cfg.algorithm} on {self.cfg.dataset} (Flower)",
-                )
-        return history
+    def step(self, t: int) -> None:
+        """Training round ``t``, timed; its event starts the round's ``events``."""
+        start = time.perf_counter()
+        try:
+            self.events = [self.run_round(t)]
+        except DivergedError as exc:  # `pflego flower local` reads it back: exit code 3
+            log_event(self.run_dir, {"round": t, "phase": "diverged", "error": str(exc)})
+            raise
+        self.seconds += time.perf_counter() - start
+        self.next_round = t + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed server needs (what ``checkpoint.pt`` holds)."""
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "pflego": pflego_version(),
+            "kind": CHECKPOINT_KIND,
+            "next_round": self.next_round,
+            "server": self.server,
+            "population": self.population.state_dict(),
+            "records": self.records,
+            "dropped": self.dropped,
+            "seconds": self.seconds,
+            "run_key": self.run_key,
+            "config": to_dict(self.cfg),
+        }
+
+    def checkpoint(self) -> None:
+        """Save the state to the run directory's ``checkpoint.pt`` (if any)."""
+        if self.run_dir:
+            self.run_dir.save_checkpoint(self.state_dict())
+
+    def load(self) -> None:
+        """Continue from the run directory's checkpoint (written by a Flower server)."""
+        state = self.run_dir.load_checkpoint()
+        if state.get("kind") != CHECKPOINT_KIND:
+            raise ConfigError(
+                f"{self.run_dir.path} holds a simulator checkpoint; continue it with "
+                "`pflego run --resume`"
+            )
+        self.population = Population.from_state_dict(state["population"])
+        self.build()
+        self.server = state["server"]
+        self.next_round, self.records = state["next_round"], state["records"]
+        self.dropped, self.seconds = state["dropped"], state["seconds"]
+        self.run_key = state["run_key"]
+        if self.cfg.rounds < self.next_round:
+            raise ConfigError(
+                f"rounds={self.cfg.rounds} is fewer than the {self.next_round} rounds "
+                f"{self.run_dir.path} has already run"
+            )
+        self.run_dir.write_config(to_dict(self.cfg))  # a resumed run may extend its rounds
+        self.run_dir.rewind(self.records, self.next_round)
+        self.run_dir.record_environment(environment(self.cfg.device, []))
+        log_event(self.run_dir, {"round": self.next_round, "phase": "resume"})
+        log.info("resuming at round %d of %d", self.next_round, self.cfg.rounds)
 
     def status(self, event: dict[str, Any]) -> None:
         """Print and log the round's status line (an operator sees a stuck or slow site)."""
         line = status_line(event)
         print(f"pflego: {line}", flush=True)
         log.info("%s", line)
+
+
+class RoundEvents(Callback):
+    """After each round: evaluate when due and checkpoint (both timed into the round's event),
+    then log the round's events and print its status line."""
+
+    def __init__(self, server: FlowerServer) -> None:
+        self.server = server
+
+    def on_round_end(self, completed: int) -> None:
+        server = self.server
+        phases = server.events[0].setdefault("phases", {})
+        if server.should_evaluate(completed):
+            with timed(phases, "evaluate"):
+                server.evaluate(completed, server.events)
+        with timed(phases, "checkpoint"):
+            server.checkpoint()
+        for logged in server.events:
+            log_event(server.run_dir, logged)
+        server.status(server.events[0])
 
 
 __all__ = ["FlowerServer"]

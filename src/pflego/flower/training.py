@@ -17,25 +17,27 @@ itself; under ``dp_local`` each node clips and noises its own upload.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
+import numpy as np
 import torch
 
-from pflego import tree
 from pflego.flower.membership import Membership
 from pflego.flower.records import client_out_from_record
 from pflego.flower.secure import SecureAggregation, cohort_factor, run_protocol, secure_outs
 from pflego.flower.status import timed
-from pflego.sim import check_finite_server, every_update_non_finite
 from pflego.sim.backends import stack_outs
-from pflego.sim.privacy import server_round
-from pflego.types import RoundContext
+from pflego.sim.engine import Sampling, run_round
+from pflego.sim.guards import Updates
+from pflego.types import ClientState, RoundContext, ServerState
 
 log = logging.getLogger("pflego.flower")
 
 
 class TrainingRounds(Membership):
-    """The training rounds of a Flower server, plain or through SecAgg+.
+    """The training rounds of a Flower server: the engine's round with Flower messages, plain
+    or through SecAgg+, as its transport.
 
     Attributes:
         secure: SecAgg+ settings to sum the uploads securely, or ``None``.
@@ -53,109 +55,118 @@ class TrainingRounds(Membership):
         self.grid.down = self.grid.up = 0
         with timed(phases, "query"):
             self.discover(t)
-        ctx = self.population.context(self.cfg, self.algorithm, t)
-        cohort = [int(i) for i in self.population.cohort(self.cfg, self.algorithm, t)]
+        transport = (PlainTransport if self.secure is None else SecureTransport)(self, phases)
+        sampling = Sampling(self.cfg, self.algorithm, self.population)
+        done = run_round(t, sampling, transport, self.server, self.privacy)
         event: dict[str, Any] = {
             "round": t,
             "phase": "train",
             "population": self.population.num_clients,
-            "sampled": cohort,
+            "sampled": done.sampled.tolist(),
+            "answered": [],
+            "missing": {},
+            **transport.event,
         }
-        if not cohort:  # Bernoulli sampling drew nobody: the stochastic gradient is zero
-            return {**event, "answered": [], "missing": {}}
-        if self.secure is not None:
-            self.secure_round(t, cohort, ctx, event, phases)
-        else:
-            self.plain_round(t, cohort, ctx, event, phases)
-        event |= {"bytes_down": self.grid.down, "bytes_up": self.grid.up, "phases": phases}
-        return event
-
-    def plain_round(
-        self, t: int, cohort: list[int], ctx: RoundContext, event: dict, phases: dict
-    ) -> None:
-        """The round's uploads, each sent in the clear, checked and aggregated on the server."""
-        with timed(phases, "downlink"):
-            contents = self.contents(cohort, ctx)
-        with timed(phases, "train"):
-            replies, missing = self.exchange(contents, "train", f"train-{t}")
-        self.note_missing(t, "train", missing)
-        answered = sorted(replies)
-        event |= {"answered": answered, "missing": {str(c): w for c, w in missing.items()}}
-        outs = {c: client_out_from_record(replies[c].content["out"]) for c in answered}
-        # The node checks its upload and new state; the server checks the upload again itself.
-        dropped = [
-            c
-            for c in answered
-            if not replies[c].content["pflego"]["finite"]
-            or not tree.all_finite(outs[c].upload, {"weight": torch.as_tensor(outs[c].weight)})
-        ]
-        if dropped:
+        if len(done.dropped):
+            dropped = done.dropped.tolist()
             log.warning("round %d: non-finite updates of clients %s dropped", t, dropped)
             self.dropped += [[t, c] for c in dropped]
-            answered = [c for c in answered if c not in dropped]
             event["dropped"] = dropped
-            if not answered:
-                raise every_update_non_finite(t, ctx)
+        if len(done.kept):
+            event["cohort_size"] = done.ctx.cohort_size
+        return event | {"bytes_down": self.grid.down, "bytes_up": self.grid.up, "phases": phases}
+
+
+class PlainTransport:
+    """The round's uploads, each sent in the clear: the node checks its upload and new state,
+    the engine checks the upload again on the server."""
+
+    def __init__(self, rounds: TrainingRounds, phases: dict[str, float]) -> None:
+        self.rounds, self.phases = rounds, phases
+        self.event: dict[str, Any] = {}
+        self.trained = 0.0
+
+    def answered(self, t: int, answered: list[int], missing: dict[int, str]) -> None:
+        """Log and record who answered and who is missing, and why."""
+        self.rounds.note_missing(t, "train", missing)
+        self.event |= {"answered": answered, "missing": {str(c): w for c, w in missing.items()}}
+        self.trained = time.perf_counter()
+
+    def updates(self, t: int, ctx: RoundContext, cohort: np.ndarray) -> Updates | None:
+        rounds = self.rounds
+        with timed(self.phases, "downlink"):
+            contents = rounds.contents([int(c) for c in cohort], ctx)
+        with timed(self.phases, "train"):
+            replies, missing = rounds.exchange(contents, "train", f"train-{t}")
+        answered = sorted(replies)
+        self.answered(t, answered, missing)
         if not answered:
             log.warning("round %d: no client answered; the server state is unchanged", t)
-            return
-        real = ctx.realized(len(cohort), len(answered))
-        event["cohort_size"] = real.cohort_size
-        with timed(phases, "aggregate"):
-            self.aggregate(t, stack_outs([outs[c] for c in answered]), real, answered)
+            return None
+        outs = stack_outs([client_out_from_record(replies[c].content["out"]) for c in answered])
+        finite = torch.tensor([bool(replies[c].content["pflego"]["finite"]) for c in answered])
+        return Updates(np.array(answered, np.int64), outs, {}, np.zeros(0, np.int64), finite)
 
-    def aggregate(self, t: int, out, ctx: RoundContext, answered: list[int]) -> None:
-        """The server step on the answers (with central noise under differential privacy);
-        a non-finite result stops the run and leaves the server state as it was."""
-        server = server_round(
-            self.algorithm, self.privacy, self.server, out, ctx, torch.as_tensor(answered)
-        )
-        check_finite_server(server, t, ctx)
-        self.server = server
+    def commit(self, server: ServerState, clients: np.ndarray, states: ClientState) -> None:
+        """Keep the new server state (client states stay on the nodes)."""
+        self.rounds.server = server
+        self.phases["aggregate"] = round(time.perf_counter() - self.trained, 4)
 
-    def secure_round(
-        self, t: int, cohort: list[int], ctx: RoundContext, event: dict, phases: dict
-    ) -> None:
-        """The round's sum through SecAgg+ (see :mod:`.secure`)."""
-        members = self.population.members
+
+class SecureTransport(PlainTransport):
+    """The round's sum through SecAgg+ (see :mod:`.secure`), as a pseudo-cohort of the answering
+    clients whose aggregate is the secure one."""
+
+    def updates(self, t: int, ctx: RoundContext, cohort: np.ndarray) -> Updates | None:
+        rounds, members = self.rounds, self.rounds.population.members
         scale = float(max(members[c].n_train for c in cohort))  # M
-        with timed(phases, "downlink"):
-            reachable = [c for c in cohort if c in self.nodes]
+        with timed(self.phases, "downlink"):
+            reachable = [int(c) for c in cohort if c in rounds.nodes]
             instructions = {
-                self.nodes[c]: (
-                    {k: dict(v) for k, v in self.client_records(c, ctx).items()},
+                rounds.nodes[c]: (
+                    {k: dict(v) for k, v in rounds.client_records(c, ctx).items()},
                     payload,
                 )
-                for c, payload in zip(reachable, self.payloads(reachable, ctx))
+                for c, payload in zip(reachable, rounds.payloads(reachable, ctx))
             }
-        with timed(phases, "train"):
+        with timed(self.phases, "train"):
             result = run_protocol(
-                self.secure, self.grid, t, instructions, scale, self.round_timeout
+                rounds.secure, rounds.grid, t, instructions, scale, rounds.round_timeout
             )
-        client_of = {self.nodes[c]: c for c in reachable}
+        client_of = {rounds.nodes[c]: c for c in reachable}
         answered = sorted(client_of[n] for n in result.answered if n in client_of)
         missing = {
-            c: "no node holds this client"
-            if c not in self.nodes
+            int(c): "no node holds this client"
+            if c not in rounds.nodes
             else "failed, timed out or dropped out of secure aggregation"
             for c in cohort
             if c not in answered
         }
-        self.note_missing(t, "train", missing)
-        event |= {"answered": answered, "missing": {str(c): w for c, w in missing.items()}}
+        self.answered(t, answered, missing)
         if result.mean is None or not answered:
             log.warning(
                 "round %d: secure aggregation gave no sum (it needs at least 2 answering "
                 "clients); the server state is unchanged",
                 t,
             )
-            event["answered"] = []
-            return
-        metrics = [result.answered[self.nodes[c]] for c in answered]
-        out, counts = secure_outs(result, metrics, scale, self.dtype)
+            self.event["answered"] = []
+            return None
+        metrics = [result.answered[rounds.nodes[c]] for c in answered]
+        out, counts = secure_outs(result, metrics, scale, rounds.dtype)
         real = ctx.realized(len(cohort), len(answered))
-        factor = cohort_factor(self.algorithm, out.weight, counts, real)
-        bound = abs(factor) * len(answered) * scale * self.secure.step
+        self.note_bound(
+            t, cohort_factor(rounds.algorithm, out.weight, counts, real), scale, metrics
+        )
+        everyone = torch.ones(len(answered), dtype=torch.bool)
+        return Updates(np.array(answered, np.int64), out, {}, np.zeros(0, np.int64), everyone)
+
+    def note_bound(
+        self, t: int, factor: float, scale: float, metrics: list[dict[str, Any]]
+    ) -> None:
+        """Record the round's SecAgg+ error bound (the aggregate is ``factor`` times the sum of
+        ``len(metrics)`` answers of weight scale M = ``scale``) and warn of clipped entries."""
+        secure = self.rounds.secure
+        bound = abs(factor) * len(metrics) * scale * secure.step
         clipped = sum(int(m["clipped"]) for m in metrics)
         if clipped:
             log.warning(
@@ -163,12 +174,7 @@ class TrainingRounds(Membership):
                 "clipped; raise it",
                 t,
                 clipped,
-                self.secure.clipping_range,
+                secure.clipping_range,
             )
-        self.secure_errors.append(bound)
-        event |= {
-            "cohort_size": real.cohort_size,
-            "secagg": {"step": self.secure.step, "error_bound": bound, "clipped": clipped},
-        }
-        with timed(phases, "aggregate"):
-            self.aggregate(t, out, real, answered)
+        self.rounds.secure_errors.append(bound)
+        self.event["secagg"] = {"step": secure.step, "error_bound": bound, "clipped": clipped}

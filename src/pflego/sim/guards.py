@@ -151,13 +151,17 @@ class Updates:
     """A round's client updates as this process holds them.
 
     Attributes:
-        out: Every cohort member's upload, weight and metrics, in cohort order.
+        clients: The ids of the members that answered (the whole cohort in a simulation), in
+            cohort order.
+        out: Their uploads, weights and metrics, in that order.
         states: The new states of the members at positions ``held`` (stacked in that order).
-        held: Positions in the cohort of the rows of ``states``: all of them in one process; a
-            process of a distributed run holds the states of the clients it owns.
+        held: Positions in ``clients`` of the rows of ``states``: all of them in one process; a
+            process of a distributed run holds the states of the clients it owns; none when the
+            states stay with the clients (Flower).
         finite: ``[C]`` booleans, whether each member's new state is finite.
     """
 
+    clients: np.ndarray
     out: ClientOut
     states: ClientState
     held: np.ndarray
@@ -174,7 +178,9 @@ class Updates:
         held = keep[self.held]
         renumbered = (np.cumsum(keep) - 1)[self.held[held]]
         states = rows(self.states, np.flatnonzero(held))
-        return Updates(out, states, renumbered, self.finite[torch.from_numpy(keep)])
+        return Updates(
+            self.clients[keep], out, states, renumbered, self.finite[torch.from_numpy(keep)]
+        )
 
 
 def finite_states(states: ClientState, clients: np.ndarray) -> Tensor:

@@ -8,15 +8,17 @@ from typing import Any, TextIO
 
 from tqdm.auto import tqdm
 
+from pflego.sim.engine import Callback
+
 
 def is_live(stream: TextIO) -> bool:
     """Whether ``stream`` redraws a bar in place: a terminal, or a notebook's output."""
     return "ipykernel" in sys.modules or (hasattr(stream, "isatty") and stream.isatty())
 
 
-class RoundProgress:
-    """Progress of rounds ``start..total``: call :meth:`advance` after each round and
-    :meth:`evaluated` after each evaluation.
+class RoundProgress(Callback):
+    """Progress of rounds ``start..total``: a callback of the training loop, or call
+    :meth:`advance` after each round and :meth:`evaluated` after each evaluation.
 
     Args:
         desc: What runs, e.g. ``"pflego on mnist5k"``.
@@ -59,3 +61,12 @@ class RoundProgress:
 
     def close(self) -> None:
         self.bar.close()
+
+    def on_round_end(self, completed: int) -> None:
+        self.advance()
+
+    def on_evaluation(self, completed: int, record: dict[str, Any]) -> None:
+        self.evaluated(completed, record)
+
+    def on_train_end(self, completed: int) -> None:
+        self.close()

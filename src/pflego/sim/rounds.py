@@ -19,22 +19,21 @@ from pflego.sim.backends import FUSED_MIN_SAMPLES, Backend, fuses, make_backend,
 from pflego.sim.backends_auto import AutoBackend, auto_backend, probing_enabled
 from pflego.sim.build import Experiment
 from pflego.sim.clients import ClientPool, ClientStore, Cohort, validation_split
-from pflego.sim.evaluation import Evaluation, evaluation_sample
-from pflego.sim.guards import (
-    Updates,
-    check_finite_server,
-    deferred_interrupts,
-    divergence_threshold,
-    every_update_non_finite,
-    finite_rows,
-    finite_states,
-    loss_diverged,
-    loss_exploded,
-    rows,
+from pflego.sim.engine import (
+    Callback,
+    Checkpoints,
+    DivergenceCheck,
+    Evaluate,
+    Sampling,
+    history_of,
+    run_round,
+    train,
 )
+from pflego.sim.evaluation import Evaluation, evaluation_sample
+from pflego.sim.guards import Updates, finite_states, rows
 from pflego.sim.memory import retained_heap
 from pflego.sim.metrics import build_pools
-from pflego.sim.privacy import Privacy, server_round
+from pflego.sim.privacy import Privacy
 from pflego.sim.profile import Profile
 from pflego.sim.progress import RoundProgress
 from pflego.trackers import tracking
@@ -62,6 +61,7 @@ class Simulation(Evaluation):
         params = self.algorithm.init_params(self.cfg.seed, experiment.dtype)
         self.server: ServerState = self.algorithm.init_server(tree.to(params, self.device))
         self.store = ClientStore(experiment.data.num_clients)
+        self.sampling = Sampling(self.cfg, self.algorithm, experiment.data)
         space, dtype = self.algorithm.label_space, experiment.dtype
         with self.profile.part("data"):
             self.pools = build_pools(experiment.data, space, dtype, self.device)
@@ -152,63 +152,17 @@ class Simulation(Evaluation):
     # --- the population ---------------------------------------------------------------------
 
     def context(self, t: int) -> RoundContext:
-        """Round t's context; its cohort size r sets PFLEGO's scaling I/r.
-
-        ``fixed``: r = round(p I), and Pr(i in S_t) = r / I. ``bernoulli``: r = p I, the
-        expected size, and Pr(i in S_t) = p = r / I. Either way I/r is the inverse inclusion
-        probability and (I/r) sum_{i in S_t} alpha_i g_i is unbiased for sum_i alpha_i g_i.
-
-        ``uniform-count``: r_t is drawn uniformly from {min_cohort, ..., max_cohort}, then r_t
-        clients without replacement; the context carries that round's own r_t (drawn by
-        :meth:`cohort_count` from the generator :meth:`cohort` uses, so the two agree). Given r_t,
-        Pr(i in S_t | r_t) = r_t / I, so for any client quantities a_i
-        E[(I/r_t) sum_{i in S_t} a_i] = sum_r P(r) (I/r) sum_i (r/I) a_i = sum_i a_i:
-        the body step is unbiased given every r_t, and a head W_i, stepped only when i is
-        sampled, moves in expectation by sum_r P(r) (r/I)(I/r) rho alpha_i g_W = rho alpha_i g_W.
-        (Scaling by I / E[r] would be unbiased too, but adds the variance of r_t to the step.)
-        """
-        cfg, data = self.cfg, self.exp.data
-        if cfg.sampling == "uniform-count":
-            size = float(self.cohort_count(t))
-        else:
-            size = cfg.participation * data.num_clients  # the dataset may fix the client count
-            if cfg.sampling == "fixed":
-                size = max(1, round(size))
-        client_lr, server_lr = (
-            getattr(self.algorithm, f"default_{k}") if getattr(cfg, k) is None else getattr(cfg, k)
-            for k in ("client_lr", "server_lr")
-        )
-        return RoundContext(
-            t, data.num_clients, size, data.total_train, client_lr, server_lr, cfg.seed
-        )
-
-    def sampler(self, t: int) -> np.random.Generator:
-        """The generator of round t's cohort, seeded by (seed, 1, t)."""
-        return np.random.default_rng(seed_for(self.cfg.seed, 1, t))
-
-    def cohort_count(self, t: int, rng: np.random.Generator | None = None) -> int:
-        """``uniform-count``'s r_t: the first draw of round t's sampler, uniform on [min, max]."""
-        rng = self.sampler(t) if rng is None else rng
-        return int(rng.integers(self.cfg.min_cohort, self.cfg.max_cohort + 1))
+        """Round t's context (:meth:`Sampling.context`)."""
+        return self.sampling.context(t)
 
     def cohort(self, t: int) -> np.ndarray:
-        """Clients of round t: exactly r without replacement, each with probability p, or
-        (``uniform-count``) r_t uniform on [min_cohort, max_cohort], then r_t without replacement."""
-        rng = self.sampler(t)
-        num = self.exp.data.num_clients
-        if self.cfg.sampling == "uniform-count":
-            return np.sort(rng.choice(num, self.cohort_count(t, rng), replace=False))
-        if self.cfg.sampling == "fixed":
-            return np.sort(rng.choice(num, int(self.context(t).cohort_size), replace=False))
-        return np.flatnonzero(rng.random(num) < self.cfg.participation)
+        """Round t's clients (:meth:`Sampling.cohort`)."""
+        return self.sampling.cohort(t)
 
     def downlink(self, ctx: RoundContext, clients: np.ndarray, evaluation: bool = False) -> Params:
-        """The downlink of ``clients`` (``evaluation``: the one evaluation predicts with): shared,
-        or stacked per client when the algorithm says so."""
-        payload = self.algorithm.evaluation_downlink if evaluation else self.algorithm.downlink
-        if self.algorithm.per_client_downlink:
-            return payload(self.server, ctx, torch.as_tensor(clients))
-        return payload(self.server, ctx)
+        """The payload of ``clients``' :class:`~pflego.types.Downlink` (``evaluation``: the one
+        evaluation predicts with): shared, or stacked per client."""
+        return self.algorithm.send(self.server, ctx, torch.as_tensor(clients), evaluation).payload
 
     def init_state(self, client: int, downlink, ctx: RoundContext) -> ClientState:
         """A client's first-visit state (seeded by the client id, so every backend agrees)."""
@@ -222,10 +176,9 @@ class Simulation(Evaluation):
         return self.init_state(client, self.one_downlink(downlink, client), ctx)
 
     def one_downlink(self, downlink: Params, client: int, position: int | None = None) -> Params:
-        """Client ``client``'s own payload out of a downlink (the downlink itself when shared)."""
-        if not self.algorithm.per_client_downlink:
-            return downlink
-        return {k: v[client if position is None else position] for k, v in downlink.items()}
+        """Client ``client``'s own payload out of a downlink's payload (at ``position``, or at
+        its id when the payload holds every client's)."""
+        return self.algorithm.received(downlink).of(client if position is None else position)
 
     def initialize(self, clients: np.ndarray, downlink, ctx: RoundContext) -> None:
         """Write the first-visit states of those ``clients`` that have none into the store.
@@ -260,17 +213,13 @@ class Simulation(Evaluation):
             self.pools[validation_split(self.exp.data)] if self.algorithm.uses_validation else None,
         )
 
-    # --- one round --------------------------------------------------------------------------
+    # --- one round: this process as the engine's transport ---------------------------------
 
     def run_round(self, t: int) -> None:
-        """One round. A client whose upload or new state is not finite is left out (logged as
-        ``dropped``), with the cohort size scaled as for a failed node; the new server state and
-        client states are committed together, never half."""
-        ctx = self.context(t)
-        cohort = np.asarray(self.cohort(t), dtype=np.int64)
-        if len(cohort) == 0:  # Bernoulli sampling drew nobody: the stochastic gradient is zero
-            return
-        self.settle(t, ctx, cohort, self.cohort_updates(t, ctx, cohort))
+        """One round (:func:`~pflego.sim.engine.run_round`); a client whose upload or new state
+        is not finite is left out and logged as ``dropped``."""
+        done = run_round(t, self.sampling, self, self.server, self.privacy)
+        self.dropped += [[t, int(c)] for c in done.dropped]
 
     def client_updates(
         self, t: int, ctx: RoundContext, clients: np.ndarray
@@ -285,37 +234,21 @@ class Simulation(Evaluation):
             out = self.privacy.on_clients(out, clients, t)
         return out, new_states
 
-    def cohort_updates(self, t: int, ctx: RoundContext, cohort: np.ndarray) -> Updates:
+    def updates(self, t: int, ctx: RoundContext, cohort: np.ndarray) -> Updates:
         """The whole cohort's updates, trained here (a process of a distributed run trains its
         share and gathers the rest)."""
         out, new_states = self.client_updates(t, ctx, cohort)
-        return Updates(out, new_states, np.arange(len(cohort)), finite_states(new_states, cohort))
+        held = np.arange(len(cohort))
+        return Updates(cohort, out, new_states, held, finite_states(new_states, cohort))
 
-    def settle(self, t: int, ctx: RoundContext, cohort: np.ndarray, updates: Updates) -> None:
-        """Leave out the non-finite updates, run the server step and ``mix``, and commit."""
-        weights = {"w": updates.out.weight.reshape(len(cohort), -1)}
-        keep = finite_rows(updates.out.upload, weights) & updates.finite
-        if not bool(keep.any()):
-            raise every_update_non_finite(t, ctx)
-        if not bool(keep.all()):
-            self.dropped += [[t, int(c)] for c in cohort[~keep.numpy()]]
-            updates = updates.kept(keep.numpy())
-            ctx = ctx.realized(len(cohort), int(keep.sum()))
-            cohort = cohort[keep.numpy()]
-        out, new_states, clients = updates.out, updates.states, cohort[updates.held]
-        server = server_round(
-            self.algorithm, self.privacy, self.server, out, ctx, torch.as_tensor(cohort)
-        )
-        if self.algorithm.mixes and len(clients) != len(cohort):
-            raise RuntimeError("mix needs the new states of the whole cohort")
-        server, new_states = self.algorithm.mix(server, new_states, ctx, torch.as_tensor(cohort))
-        check_finite_server(server, t, ctx)
-        mine = np.isin(clients, self.owned(clients))  # a mixed state may be another's to store
+    def commit(self, server: ServerState, clients: np.ndarray, states: ClientState) -> None:
+        """Keep the new server state and store the new states this process owns (a mixed
+        state may be another's to store)."""
+        mine = np.isin(clients, self.owned(clients))
         if not mine.all():
-            clients, new_states = clients[mine], rows(new_states, np.flatnonzero(mine))
-        with deferred_interrupts():
-            self.store.scatter(clients, new_states)
-            self.server = server
+            clients, states = clients[mine], rows(states, np.flatnonzero(mine))
+        self.store.scatter(clients, states)
+        self.server = server
 
     def profile_summary(self) -> dict[str, Any]:
         """The profile with the facts that explain it."""
@@ -394,61 +327,49 @@ class Simulation(Evaluation):
                 if self.writer:
                     with self.profile.part("checkpoint"):
                         self.writer.wait()
-            history = History(self.records, self.run_dir.path if self.run_dir else None)
-            if self.run_dir and self.plots:
-                from pflego.plots import plot_histories
-
-                plot_histories(
-                    {cfg.algorithm: history},
-                    self.run_dir.path / "curves.png",
-                    f"{cfg.algorithm} on {cfg.dataset}",
-                )
-        return history
+                if self.run_dir and self.run_dir.environment.is_file():
+                    self.run_dir.record_backend(self.backend_name)
+            title = f"{cfg.algorithm} on {cfg.dataset}"
+            return history_of(self.run_dir, self.records, cfg.algorithm, title, self.plots)
 
     def on_interrupt(self) -> None:
         """Ctrl-C: write a checkpoint of the rounds completed and wait until it is on disk."""
         self.checkpoint(wait=True)
 
     def train(self, progress: bool) -> None:
+        """The remaining rounds, with evaluation, the divergence check, checkpoints and progress
+        as callbacks of the training loop."""
         cfg = self.cfg
         bar = RoundProgress(
             f"{cfg.algorithm} on {cfg.dataset}", self.next_round, cfg.rounds, progress
         )
-        first_loss = self.records[0]["train_loss"] if self.records else None
-        threshold = divergence_threshold(first_loss, self.algorithm.head_width)
-        warned = False
+        divergence = DivergenceCheck(self, self.algorithm.head_width, cfg.divergence == "stop")
         probing = isinstance(self.backend, AutoBackend) and self.backend.chosen is None
-        for t in range(self.next_round, cfg.rounds):
-            start = time.perf_counter()
-            with self.profile.part("train"):
-                self.run_round(t)
-            self.seconds += time.perf_counter() - start
-            if probing and self.backend.chosen is not None:
-                probing = False
-                if progress and self.speaks:
-                    tqdm.write(f"{bar.desc}: {self.backend.summary()}", file=bar.stream)
-            self.next_round = t + 1
-            if self.should_evaluate(t + 1):
-                record = self.evaluate(t + 1)
-                bar.evaluated(t + 1, record)
-                loss = record["train_loss"]
-                if self.speaks and not warned and first_loss and loss > 100 * first_loss:
-                    warned = True
-                    tqdm.write(
-                        f"pflego: warning: the training loss grew from {first_loss:.4g} to "
-                        f"{loss:.4g} by round {t + 1}; the step sizes may be too large"
-                    )
-                self.check_loss(first_loss, threshold, t + 1)
-            if (t + 1) % cfg.checkpoint_every == 0 or t + 1 == cfg.rounds:
-                self.checkpoint()
-            bar.advance()
-        bar.close()
+        callbacks = [
+            *([BackendReport(self.backend, bar)] if probing and progress and self.speaks else []),
+            Evaluate(self.should_evaluate, self.evaluate, [bar, divergence]),
+            Checkpoints(self.checkpoint, cfg.checkpoint_every, cfg.rounds),
+            bar,
+        ]
+        train(self.next_round, cfg.rounds, self.step, callbacks)
 
-    def check_loss(self, first_loss: float, threshold: float, completed: int) -> None:
-        """Stop the run (``DivergedError``) when its training loss has stayed past
-        ``threshold`` (:func:`~pflego.sim.guards.divergence_threshold`) for
-        ``DIVERGENCE_EVALUATIONS`` evaluations, unless ``divergence=warn``. Every process of a
-        distributed run holds the same records, so all stop together."""
-        losses = [record["train_loss"] for record in self.records]
-        if self.cfg.divergence == "stop" and loss_diverged(losses, threshold):
-            raise loss_exploded(first_loss, losses[-1], completed, self.context(completed - 1))
+    def step(self, t: int) -> None:
+        """Round ``t``, timed, and the count of rounds done."""
+        start = time.perf_counter()
+        with self.profile.part("train"):
+            self.run_round(t)
+        self.seconds += time.perf_counter() - start
+        self.next_round = t + 1
+
+
+class BackendReport(Callback):
+    """Print ``auto``'s choice of backend once its probe has made it."""
+
+    def __init__(self, backend: AutoBackend, bar: RoundProgress) -> None:
+        self.backend, self.bar = backend, bar
+        self.done = False
+
+    def on_round_end(self, completed: int) -> None:
+        if not self.done and self.backend.chosen is not None:
+            self.done = True
+            tqdm.write(f"{self.bar.desc}: {self.backend.summary()}", file=self.bar.stream)

@@ -75,7 +75,7 @@ class ShardedSimulation(Simulation):
 
     # --- a round ----------------------------------------------------------------------------
 
-    def cohort_updates(self, t: int, ctx: RoundContext, cohort: np.ndarray) -> Updates:
+    def updates(self, t: int, ctx: RoundContext, cohort: np.ndarray) -> Updates:
         """Train this process's share of the cohort: the members it owns, or every world-th
         member when clients keep no state; gather everyone's uploads (and, when the algorithm
         mixes, new states) in cohort order."""
@@ -102,10 +102,10 @@ class ShardedSimulation(Simulation):
                     f"{self.cfg.algorithm}'s clients start without a state but return one; "
                     "a distributed run cannot share them out by position"
                 )
-            return Updates(out, {}, np.flatnonzero(owners == self.group.rank), finite)
+            return Updates(cohort, out, {}, np.flatnonzero(owners == self.group.rank), finite)
         if self.algorithm.mixes:
-            return Updates(out, gathered, np.arange(len(cohort)), finite)
-        return Updates(out, states, share, finite)
+            return Updates(cohort, out, gathered, np.arange(len(cohort)), finite)
+        return Updates(cohort, out, states, share, finite)
 
     # --- evaluation -------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "pflego.types",
             "pflego.tree",
             "pflego.errors",
+            "pflego.fields",
             "pflego.rng",
             "pflego.environment",
         ),
