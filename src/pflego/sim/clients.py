@@ -400,6 +400,54 @@ def take(x: Tensor, rows: Tensor) -> Tensor:
     return flat.view(*rows.shape, *x.shape[1:])
 
 
+class SharedFeatures:
+    """A function of the shared downlink over a split's rows (the shared body's features, or a
+    downlink-only view's logits), computed once per evaluation (lazily).
+
+    With most of the pool's clients evaluated, it runs over the whole pool in slices of
+    ``batch_rows`` rows (no copy of the inputs); for a few clients (a sample, the clients whose
+    state changed), over their own rows only.
+    """
+
+    def __init__(
+        self, apply: Callable[[Tensor], Tensor], pool: ClientPool, clients: np.ndarray, rows: int
+    ) -> None:
+        self.apply, self.pool, self.batch_rows = apply, pool, rows
+        self.whole = 2 * int(pool.sizes[clients].sum()) >= int(pool.sizes.sum())
+        self.features: Tensor | None = None
+
+    def _body(self, x: Tensor) -> Tensor:
+        parts = [
+            self.apply(x[start : start + self.batch_rows])
+            for start in range(0, len(x), self.batch_rows)
+        ]
+        return torch.cat(parts) if len(parts) != 1 else parts[0]
+
+    def whole_pool(self) -> Tensor:
+        """The function over every row of the pool, computed once."""
+        if self.features is None:
+            self.features = self._body(self.pool.x)
+        return self.features
+
+    def flat(self, ids: np.ndarray) -> tuple[Tensor, Tensor]:
+        """Features holding each client's rows one after the other, and where each one's start."""
+        sizes = torch.as_tensor(self.pool.sizes[ids], device=self.pool.offsets.device)
+        if self.whole:
+            return self.whole_pool(), self.pool.offsets[torch.as_tensor(ids, device=sizes.device)]
+        rows, valid = self.pool.rows(ids)
+        return self._body(self.pool.x[rows[valid]]), torch.cumsum(sizes, 0) - sizes
+
+    def padded(self, ids: np.ndarray) -> Tensor:
+        """The clients' features ``[C, n_max, M]`` (padding rows hold any finite values)."""
+        rows, valid = self.pool.rows(ids)
+        if self.whole:
+            return take(self.whole_pool(), rows)
+        features = self._body(self.pool.x[rows[valid]])
+        padded = features.new_zeros((*rows.shape, features.shape[-1]))
+        padded[valid] = features
+        return padded
+
+
 #: Stores larger than this many bytes take memory page by page as rows are written.
 LAZY_BYTES = 2**26
 _NUMPY_DTYPES = {

@@ -1,15 +1,11 @@
 """Evaluation of every client's personalized model: L(psi), accuracy statistics, before/after adapt.
 
 Clients are evaluated in chunks grouped by size (so that a chunk pads little) and sized by the
-memory their activations take (:data:`EVAL_BYTES`): for each chunk, the algorithm's ``adapt``
-(or ``join``, for clients that never trained) runs under ``torch.func.vmap`` on their training
-splits, then ``predict`` (and each of the algorithm's extra ``predictions``) runs on every split
-of a :class:`~pflego.sim.clients.ClientPool` that already lives on the device. When the body
-comes from the shared downlink (``Algorithm.features_from_downlink``), it runs once over the
-chunk's real samples as one large batch, and only the heads run per client. On a CPU, chunks of
-large clients (:data:`LOOP_ROWS`) are personalized and evaluated one client at a time on its own
-rows instead (``adapt``'s steps fused where they fuse, except on the ``loop`` backend).
-Adapted states are used for that evaluation only and never stored.
+memory their activations take (:data:`EVAL_BYTES`): the algorithm's ``adapt`` (or ``join``, for
+clients that never trained) runs first, then ``predict`` and each of the algorithm's extra
+``predictions`` on every split of a :class:`~pflego.sim.clients.ClientPool` that already lives on
+the device, each by the strategy :class:`Evaluator` chooses for it once a run. Adapted states
+are used for that evaluation only and never stored.
 
 Metric names: ``<split>_<loss|acc>`` for the personalized model (after ``adapt`` when the
 algorithm has one), ``<split>_<loss|acc>_before_adapt`` for the same clients without it, and
@@ -19,7 +15,7 @@ algorithm has one), ``<split>_<loss|acc>_before_adapt`` for the same clients wit
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from weakref import WeakKeyDictionary
 
@@ -34,7 +30,7 @@ from pflego.data import FederatedData
 from pflego.data.stream import GeneratedClients
 from pflego.local import fused_steps
 from pflego.models import SplitModel, apply_layers
-from pflego.sim.clients import ClientPool, take
+from pflego.sim.clients import ClientPool, SharedFeatures
 from pflego.sim.generated import generated_pools
 from pflego.tree import Params
 from pflego.types import ClientData, ClientState, RoundContext
@@ -52,6 +48,11 @@ LOGITS = "logits of the downlink's model"
 DownlinkFor = Callable[[np.ndarray], Params]
 AdaptInputs = Callable[[np.ndarray], ClientData]
 AdaptClients = Callable[[np.ndarray], list[ClientData]]
+Metrics = tuple[Tensor, Tensor]
+#: A strategy: an :class:`Evaluator`'s losses and accuracies ``[C]`` of one view of a chunk's
+#: clients on one split (unbound: an evaluator holding its own bound methods would be a
+#: reference cycle, its features and logits kept until the cyclic garbage collector runs).
+Strategy = Callable[["Evaluator", "Chunk", str, str], Metrics]
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,45 @@ class Personalization:
     fused: bool = False
 
 
+@dataclass
+class Chunk:
+    """Clients evaluated together: their positions among the evaluated clients (``group``),
+    ids (and as a tensor), downlink (``per_client``: stacked, one a client), and states before
+    and after personalization (one dict a client when evaluated :func:`one_by_one`, else
+    stacked); ``features``: the shared body's features of their rows, by split, once computed."""
+
+    group: np.ndarray
+    ids: np.ndarray
+    index: Tensor
+    downlink: Params
+    per_client: bool
+    before: ClientState | list[ClientState]
+    after: ClientState | list[ClientState]
+    one_by_one: bool
+    features: dict[str, Tensor | tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+    def states(self, view: str) -> ClientState | list[ClientState]:
+        """The states ``view`` predicts with."""
+        return self.before if view == "before_adapt" else self.after
+
+    def keys(self, view: str) -> list[str]:
+        """The keys of one client's state for ``view``."""
+        states = self.states(view)
+        return list(states[0] if self.one_by_one else states)
+
+    def downlink_of(self, j: int) -> Params:
+        """The downlink of the chunk's ``j``-th client."""
+        return {k: v[j] for k, v in self.downlink.items()} if self.per_client else self.downlink
+
+
+def one_by_one(device: torch.device, sizes: np.ndarray) -> bool:
+    """Whether a chunk of clients of these sizes (their largest split's) personalizes and is
+    evaluated client by client: on a CPU, when they hold :data:`LOOP_ROWS` samples or more on
+    average (each one's rows and state read in place cost less than padded copies of them);
+    never on another device (vmapped)."""
+    return device.type == "cpu" and bool(sizes.mean() >= LOOP_ROWS)
+
+
 def _client_metrics(
     predict: Callable[..., Tensor],
     downlink: Params,
@@ -83,20 +123,21 @@ def _client_metrics(
     y: Tensor,
     mask: Tensor,
     lmask: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """Mean loss and accuracy of one client over its real samples (NaN without samples).
+) -> Metrics:
+    """:func:`logit_metrics` of one client's ``predict`` on inputs ``x``."""
+    return logit_metrics(predict(downlink, state, x), y, mask, lmask)
+
+
+def logit_metrics(logits: Tensor, y: Tensor, mask: Tensor, lmask: Tensor) -> Metrics:
+    """Mean loss and accuracy over the real samples (NaN without samples) of given logits
+    ``[..., n, K]`` (labels and mask ``[..., n]``, label mask ``[..., K]``): one client's, or
+    each of a batch of clients'.
 
     A sample whose class the client's head lacks (local label -1: a class absent from the
     client's training split) counts as an error in the accuracy and is left out of the loss,
     whose value for it would be infinite (the head gives its class probability 0); the loss is
     the mean over the samples of classes the head has (NaN when there are none).
     """
-    return logit_metrics(predict(downlink, state, x), y, mask, lmask)
-
-
-def logit_metrics(logits: Tensor, y: Tensor, mask: Tensor, lmask: Tensor) -> tuple[Tensor, Tensor]:
-    """:func:`_client_metrics` of given logits ``[..., n, K]`` (labels and mask ``[..., n]``,
-    label mask ``[..., K]``): one client's, or each of a batch of clients'."""
     logits = torch.where(lmask.unsqueeze(-2) > 0, logits, torch.finfo(logits.dtype).min)
     known = mask * (y >= 0).to(mask.dtype)
     # log_softmax's value at y, without log_softmax over a last dimension of a few classes (on
@@ -109,65 +150,38 @@ def logit_metrics(logits: Tensor, y: Tensor, mask: Tensor, lmask: Tensor) -> tup
 
 def looped_metrics(
     predict: Callable[..., Tensor],
-    downlink: Params,
-    per_client_downlink: bool,
+    chunk: Chunk,
     states: list[ClientState],
     inputs: Tensor,
     starts: Tensor,
     pool: ClientPool,
-    ids: np.ndarray,
-    lmask: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """:func:`_client_metrics` of each client ``ids[j]`` in turn, with its state ``states[j]``,
-    on its rows of ``inputs`` from ``starts[j]`` (the pool's inputs, or features laid out alike),
-    read in place: on a CPU, for clients of many samples, faster than one vmapped call on padded
-    copies of them."""
-    losses, accuracies = [], []
-    ones = pool.x.new_ones(int(pool.sizes[ids].max(initial=0)))
-    firsts = pool.offsets[torch.as_tensor(ids, device=pool.offsets.device)].tolist()
-    rows = zip(pool.sizes[ids].tolist(), firsts, starts.tolist(), strict=True)
+) -> Metrics:
+    """:func:`_client_metrics` of each of the chunk's clients in turn, with its state, on its
+    rows of ``inputs`` from its start in ``starts`` (the pool's inputs, or features laid out
+    alike), read in place: on a CPU, for clients of many samples, faster than one vmapped call
+    on padded copies of them."""
+    sizes, lmask = pool.sizes[chunk.ids], pool.label_masks[chunk.index]
+    ones = pool.x.new_ones(int(sizes.max(initial=0)))
+    rows = zip(sizes.tolist(), pool.offsets[chunk.index].tolist(), starts.tolist(), strict=True)
+    metrics = []
     for j, (n, first, start) in enumerate(rows):
-        loss, acc = _client_metrics(
-            predict, own_downlink(downlink, per_client_downlink, j), states[j],
-            inputs[start : start + n], pool.y[first : first + n], ones[:n], lmask[j],
-        )  # fmt: skip
-        losses.append(loss)
-        accuracies.append(acc)
-    return torch.stack(losses), torch.stack(accuracies)
-
-
-def own_downlink(downlink: Params, per_client_downlink: bool, j: int) -> Params:
-    """The downlink of the ``j``-th client of a chunk."""
-    return {k: v[j] for k, v in downlink.items()} if per_client_downlink else downlink
-
-
-def client_states(states: ClientState, places: np.ndarray, device: torch.device) -> list:
-    """The states at ``places`` of stacked ``states``, one dict each (views where on ``device``)."""
-    return [{k: v[p].to(device) for k, v in states.items()} for p in places.tolist()]
+        x, y = inputs[start : start + n], pool.y[first : first + n]
+        downlink = chunk.downlink_of(j)
+        metrics.append(_client_metrics(predict, downlink, states[j], x, y, ones[:n], lmask[j]))
+    return torch.stack([m[0] for m in metrics]), torch.stack([m[1] for m in metrics])
 
 
 def personalized(
-    algorithm: Algorithm,
-    personalization: Personalization,
-    downlink: Params,
-    states: list[ClientState],
-    ids: np.ndarray,
+    algorithm: Algorithm, personalization: Personalization, chunk: Chunk
 ) -> list[ClientState]:
-    """Each client's ``adapt`` (or ``join``) on its own rows, one after another (no padding;
-    fused steps where they fuse and ``personalization.fused`` says so)."""
-    method = getattr(algorithm, personalization.method)
-    own_rows = personalization.clients(ids)
+    """Each of the chunk's clients' ``adapt`` (or ``join``) on its own rows, one after another
+    (no padding; fused steps where they fuse and ``personalization.fused`` says so)."""
+    method, ctx = getattr(algorithm, personalization.method), personalization.ctx
+    own_rows = personalization.clients(chunk.ids)
     with torch.enable_grad(), fused_steps(personalization.fused):
         return [
-            tree.detach(
-                method(
-                    own_downlink(downlink, algorithm.per_client_downlink, j),
-                    state,
-                    own_rows[j],
-                    personalization.ctx,
-                )
-            )
-            for j, state in enumerate(states)
+            tree.detach(method(chunk.downlink_of(j), state, own_rows[j], ctx))
+            for j, state in enumerate(chunk.before)
         ]
 
 
@@ -225,52 +239,201 @@ def size_groups(
     return groups
 
 
-class SharedFeatures:
-    """A function of the shared downlink over a split's rows (the shared body's features, or a
-    downlink-only view's logits), computed once per evaluation (lazily).
+class Evaluator:
+    """One evaluation: its chunks of clients and the strategy of each view.
 
-    With most of the pool's clients evaluated, it runs over the whole pool in slices of
-    ``batch_rows`` rows (no copy of the inputs); for a few clients (a sample, the clients whose
-    state changed), over their own rows only.
+    Each view (the personalized model, the same before ``adapt``, each extra prediction) is
+    evaluated by a strategy chosen once for the run (:meth:`choose`); one that runs client
+    models runs them vmapped on padded chunks or, chunk by chunk as :func:`one_by_one` says,
+    client by client:
+
+    - :meth:`pooled_logits`: the downlink's model (or a downlink-only prediction) once over the
+      pool's rows, its logits read per client;
+    - :meth:`vmapped_models` / :meth:`client_by_client`: each client's whole model on its rows;
+    - :meth:`vmapped_heads` / :meth:`heads_client_by_client`: each client's head on the shared
+      body's features, computed once.
+
+    A chunk evaluated one by one personalizes one by one too, each client on its own training
+    rows (:func:`personalized`); other chunks personalize vmapped on padded training data.
     """
 
     def __init__(
-        self, apply: Callable[[Tensor], Tensor], pool: ClientPool, clients: np.ndarray, rows: int
+        self,
+        algorithm: Algorithm,
+        pools: dict[str, ClientPool],
+        clients: np.ndarray,
+        personalization: Personalization | None,
+        chunk_size: int | None = None,
+        budget: int = EVAL_BYTES,
     ) -> None:
-        self.apply, self.pool, self.batch_rows = apply, pool, rows
-        self.whole = 2 * int(pool.sizes[clients].sum()) >= int(pool.sizes.sum())
-        self.features: Tensor | None = None
+        first = next(iter(pools.values()))
+        self.algorithm, self.pools, self.clients = algorithm, pools, clients
+        self.personalization = personalization
+        self.device, self.dtype = first.device, first.x.dtype
+        self.per_client = algorithm.per_client_downlink
+        self.downlink_dim = 0 if self.per_client else None  # for vmap: stacked, or shared
+        self.views = {"": algorithm.predict}
+        if personalization is not None and personalization.method == "adapt":
+            self.views["before_adapt"] = algorithm.predict
+        self.views |= {n: getattr(algorithm, f"predict_{n}") for n in algorithm.predictions}
+        self.once = set() if self.per_client else set(algorithm.downlink_predictions)
+        model = algorithm.model
+        # whether a row's logits depend on that row alone (no batch norm by the batch's
+        # statistics), so that a model shared by every client may run over slices of the pool
+        self.rowwise = model.layers is not None and all(
+            layer.kind != "batchnorm" for layer in model.layers
+        )
+        self.bodies: dict[tuple[str, str], SharedFeatures] = {}
+        self.choices: dict[str, tuple[Strategy, Strategy]] = {}
+        self.sizes, self.batch_rows, self.groups = self.chunking(chunk_size, budget)
 
-    def _body(self, x: Tensor) -> Tensor:
-        parts = [
-            self.apply(x[start : start + self.batch_rows])
-            for start in range(0, len(x), self.batch_rows)
-        ]
-        return torch.cat(parts) if len(parts) != 1 else parts[0]
+    def chunking(
+        self, chunk_size: int | None, budget: int
+    ) -> tuple[np.ndarray, int, list[np.ndarray]]:
+        """Each client's size (its largest split's), the rows of a shared body's pass, and the
+        chunks: positions of clients grouped by size, each one's inputs and activations within
+        ``budget`` bytes (and ``chunk_size`` clients)."""
+        pools, model = self.pools.values(), self.algorithm.model
+        body = max(sample_elements(model, tuple(p.x.shape[1:])) for p in pools)
+        element = torch.finfo(self.dtype).bits // 8
+        batch_rows = max(1, budget // (body * element))
+        heads = {"", "before_adapt"} if self.algorithm.features_from_downlink else set()
+        if self.personalization is not None or set(self.views) - heads:  # whole models
+            per_sample = body + max(int(np.prod(p.x.shape[1:])) for p in pools)
+        else:  # heads per client, on features
+            per_sample = model.feature_dim + model.num_classes
+        sizes = np.max([p.sizes[self.clients] for p in pools], axis=0)
+        return sizes, batch_rows, size_groups(sizes, per_sample * element, budget, chunk_size)
 
-    def whole_pool(self) -> Tensor:
-        """The function over every row of the pool, computed once."""
-        if self.features is None:
-            self.features = self._body(self.pool.x)
-        return self.features
+    def choose(self, view: str, keys: list[str]) -> tuple[Strategy, Strategy]:
+        """The strategy of ``view`` for states with ``keys`` (vectorized, and one by one).
 
-    def flat(self, ids: np.ndarray) -> tuple[Tensor, Tensor]:
-        """Features holding each client's rows one after the other, and where each one's start."""
-        sizes = torch.as_tensor(self.pool.sizes[ids], device=self.pool.offsets.device)
-        if self.whole:
-            return self.whole_pool(), self.pool.offsets[torch.as_tensor(ids, device=sizes.device)]
-        rows, valid = self.pool.rows(ids)
-        return self._body(self.pool.x[rows[valid]]), torch.cumsum(sizes, 0) - sizes
+        Pooled logits for a downlink-only prediction of a shared downlink, for the personalized
+        model with an empty state (a shared downlink, a body without batch norm by batch
+        statistics), and for the default head on a shared body (``features_from_downlink``)
+        with neither head nor body in the state; the heads on shared features where the body
+        is shared and the state holds none of it; whole models otherwise.
+        """
+        algorithm = self.algorithm
+        personal = view in ("", "before_adapt")
+        heads = personal and algorithm.features_from_downlink and not _has(keys, "body.")
+        downlink_head = heads and type(algorithm).predict_head is Algorithm.predict_head
+        empty = personal and not keys and self.rowwise and not self.per_client
+        if view in self.once or empty or (downlink_head and not _has(keys, "head.")):
+            return Evaluator.pooled_logits, Evaluator.pooled_logits
+        if heads:
+            return Evaluator.vmapped_heads, Evaluator.heads_client_by_client
+        return Evaluator.vmapped_models, Evaluator.client_by_client
 
-    def padded(self, ids: np.ndarray) -> Tensor:
-        """The clients' features ``[C, n_max, M]`` (padding rows hold any finite values)."""
-        rows, valid = self.pool.rows(ids)
-        if self.whole:
-            return take(self.whole_pool(), rows)
-        features = self._body(self.pool.x[rows[valid]])
-        padded = features.new_zeros((*rows.shape, features.shape[-1]))
-        padded[valid] = features
-        return padded
+    def columns(self, downlink_for: DownlinkFor, states: ClientState) -> dict[str, np.ndarray]:
+        """Per-client losses and accuracies of every view on every split, chunk by chunk."""
+        columns: dict[str, np.ndarray] = {}
+        for group in self.groups:
+            chunk = self.chunk(group, downlink_for, states)
+            if not self.choices:  # every chunk's states have the same keys
+                self.choices = {view: self.choose(view, chunk.keys(view)) for view in self.views}
+            for split in self.pools:
+                for view in self.views:
+                    loss, acc = self.choices[view][chunk.one_by_one](self, chunk, split, view)
+                    suffix = f"_{view}" if view else ""
+                    for name, value in ((f"loss{suffix}", loss), (f"acc{suffix}", acc)):
+                        column = columns.setdefault(
+                            f"{split}_{name}", np.full(len(self.clients), np.nan)
+                        )
+                        column[group] = value.double().cpu().numpy()
+        return columns
+
+    def chunk(self, group: np.ndarray, downlink_for: DownlinkFor, states: ClientState) -> Chunk:
+        """The clients at ``group``, their states read and personalized (one by one on their
+        own rows, or vmapped on their padded training data)."""
+        ids, device = self.clients[group], self.device
+        looped = one_by_one(device, self.sizes[group])
+        if looped:  # each client's state read in place (a view where on the device)
+            own = [{k: v[p].to(device) for k, v in states.items()} for p in group.tolist()]
+        else:
+            own = {
+                k: v[torch.as_tensor(group, device=v.device)].to(device) for k, v in states.items()
+            }
+        index = torch.as_tensor(ids, device=device)
+        chunk = Chunk(group, ids, index, downlink_for(ids), self.per_client, own, own, looped)
+        how = self.personalization
+        if how is not None and looped:
+            chunk.after = personalized(self.algorithm, how, chunk)
+        elif how is not None:
+            method, dims = getattr(self.algorithm, how.method), (self.downlink_dim, 0, 0)
+            adapt = vmap(
+                lambda d, s, data: method(d, s, data, how.ctx), dims, randomness="different"
+            )
+            with torch.enable_grad():
+                chunk.after = tree.detach(adapt(chunk.downlink, own, how.inputs(ids)))
+        return chunk
+
+    def labels(self, chunk: Chunk, split: str) -> tuple[Tensor, Tensor, Tensor]:
+        """The chunk's padded labels and sample mask ``[C, n_max]`` on ``split``, and their
+        label masks."""
+        pool = self.pools[split]
+        rows, valid = pool.rows(chunk.ids)
+        return pool.y[rows], valid.to(self.dtype), pool.label_masks[chunk.index]
+
+    def shared(self, split: str, view: str, downlink: Params) -> SharedFeatures:
+        """The shared body's features (``view`` ""), the downlink model's logits
+        (:data:`LOGITS`) or a downlink-only view's logits over ``split``, computed once."""
+        if (split, view) not in self.bodies:
+            if view == "":
+                apply = partial(self.algorithm.model.features, downlink)
+            elif view == LOGITS:
+                apply = partial(self.algorithm.predict, downlink, {})
+            else:
+                apply = partial(self.views[view], downlink, None)
+            pool = self.pools[split]
+            self.bodies[split, view] = SharedFeatures(apply, pool, self.clients, self.batch_rows)
+        return self.bodies[split, view]
+
+    def features(self, chunk: Chunk, split: str, form: str) -> Tensor | tuple[Tensor, Tensor]:
+        """The shared body's features of the chunk's rows on ``split`` (``form``: ``flat`` or
+        ``padded``, see :class:`~pflego.sim.clients.SharedFeatures`), computed once a chunk."""
+        if split not in chunk.features:
+            shared = self.shared(split, "", chunk.downlink)
+            chunk.features[split] = getattr(shared, form)(chunk.ids)
+        return chunk.features[split]
+
+    def pooled_logits(self, chunk: Chunk, split: str, view: str) -> Metrics:
+        """Strategy: the logits of the downlink's model (or of a downlink-only prediction),
+        computed once over the pool, read for the chunk's clients."""
+        shared = self.shared(split, view if view in self.once else LOGITS, chunk.downlink)
+        return logit_metrics(shared.padded(chunk.ids), *self.labels(chunk, split))
+
+    def vmapped_models(self, chunk: Chunk, split: str, view: str) -> Metrics:
+        """Strategy: the chunk's whole models vmapped over its padded rows."""
+        pool, dims = self.pools[split], (self.downlink_dim, 0, 0, 0, 0, 0)
+        metrics = vmap(partial(_client_metrics, self.views[view]), dims, randomness="different")
+        x, y, mask = pool.padded(chunk.ids)
+        lmask = pool.label_masks[chunk.index]
+        return metrics(chunk.downlink, chunk.states(view), x, y, mask, lmask)
+
+    def client_by_client(self, chunk: Chunk, split: str, view: str) -> Metrics:
+        """Strategy: each client's whole model on its own rows of the pool, one after another."""
+        pool = self.pools[split]
+        starts = pool.offsets[chunk.index]
+        states = chunk.states(view)
+        return looped_metrics(self.views[view], chunk, states, pool.x, starts, pool)
+
+    def vmapped_heads(self, chunk: Chunk, split: str, view: str) -> Metrics:
+        """Strategy: the chunk's heads vmapped over the shared body's padded features."""
+        metrics = vmap(partial(_client_metrics, self.algorithm.predict_head), (None, 0, 0, 0, 0, 0))
+        features = self.features(chunk, split, "padded")
+        return metrics(chunk.downlink, chunk.states(view), features, *self.labels(chunk, split))
+
+    def heads_client_by_client(self, chunk: Chunk, split: str, view: str) -> Metrics:
+        """Strategy: each client's head on its rows of the shared body's features, one after
+        another."""
+        features, starts = self.features(chunk, split, "flat")
+        head, states, pool = self.algorithm.predict_head, chunk.states(view), self.pools[split]
+        return looped_metrics(head, chunk, states, features, starts, pool)
+
+
+def _has(keys: list[str], prefix: str) -> bool:
+    return any(k.startswith(prefix) for k in keys)
 
 
 def evaluate_clients(
@@ -283,7 +446,8 @@ def evaluate_clients(
     clients: np.ndarray | None = None,
     budget: int = EVAL_BYTES,
 ) -> dict[str, np.ndarray]:
-    """Per-client losses and accuracies of every view on every split, chunk by chunk.
+    """Per-client losses and accuracies of every view on every split, chunk by chunk
+    (strategies: :class:`Evaluator`).
 
     Args:
         algorithm: Supplies ``predict`` (and ``adapt`` / ``join``, ``predict_<name>``).
@@ -301,130 +465,9 @@ def evaluate_clients(
         Columns ``[len(clients)]`` (float64) named ``<split>_<loss|acc>[_<view>]``.
     """
     first = next(iter(pools.values()))
-    device, dtype = first.device, first.x.dtype
-    ids_all = np.arange(len(first.sizes)) if clients is None else np.asarray(clients, np.int64)
-    dl_dim = 0 if algorithm.per_client_downlink else None
-    personalize = None
-    if personalization is not None:
-        method = getattr(algorithm, personalization.method)
-        ctx = personalization.ctx
-        personalize = vmap(
-            lambda d, s, data: method(d, s, data, ctx),
-            in_dims=(dl_dim, 0, 0),
-            randomness="different",
-        )
-    views = {"": algorithm.predict}
-    if personalization is not None and personalization.method == "adapt":
-        views["before_adapt"] = algorithm.predict
-    views |= {name: getattr(algorithm, f"predict_{name}") for name in algorithm.predictions}
-    metric_fns = {
-        view: vmap(
-            lambda d, s, x, y, m, lm, fn=fn: _client_metrics(fn, d, s, x, y, m, lm),
-            in_dims=(dl_dim, 0, 0, 0, 0, 0),
-            randomness="different",
-        )
-        for view, fn in views.items()
-    }
-    head_views = set()
-    # the default head on a shared body: a state without head or body entries predicts with
-    # the downlink's model, whose logits are computed once over the pool's rows
-    shared_head = (
-        algorithm.features_from_downlink and type(algorithm).predict_head is Algorithm.predict_head
-    )
-    if algorithm.features_from_downlink:
-        head_views = {"", "before_adapt"}
-        head_metrics = vmap(
-            lambda d, s, f, y, m, lm: _client_metrics(algorithm.predict_head, d, s, f, y, m, lm),
-            in_dims=(None, 0, 0, 0, 0, 0),
-        )
-    model = algorithm.model
-    body = max(sample_elements(model, tuple(p.x.shape[1:])) for p in pools.values())
-    element = torch.finfo(dtype).bits // 8
-    batch_rows = max(1, budget // (body * element))  # rows per pass of a shared body
-    if personalization is not None or set(views) - head_views:  # whole models per client
-        per_sample = body + max(int(np.prod(p.x.shape[1:])) for p in pools.values())
-    else:  # heads per client, on features
-        per_sample = model.feature_dim + model.num_classes
-    sizes = np.max([p.sizes[ids_all] for p in pools.values()], axis=0)
-    groups = size_groups(sizes, per_sample * element, budget, chunk_size)
-    columns: dict[str, np.ndarray] = {}
-    # the downlink is shared whenever these are used: per split, the body's features ("") and
-    # each downlink-only view's logits
-    bodies: dict[tuple[str, str], SharedFeatures] = {}
-    once = set() if algorithm.per_client_downlink else set(algorithm.downlink_predictions)
-    # whether a row's logits depend on that row alone (no batch norm by the batch's statistics),
-    # so that a model shared by every client may run over slices of the whole pool
-    rowwise = model.layers is not None and all(layer.kind != "batchnorm" for layer in model.layers)
-
-    def shared(split: str, view: str, downlink: Params) -> SharedFeatures:
-        if (split, view) not in bodies:
-            if view == "":
-                apply = partial(model.features, downlink)
-            elif view == LOGITS:
-                apply = partial(algorithm.predict, downlink, {})
-            else:
-                apply = partial(views[view], downlink, None)
-            bodies[split, view] = SharedFeatures(apply, pools[split], ids_all, batch_rows)
-        return bodies[split, view]
-
-    for group in groups:
-        ids = ids_all[group]
-        index = torch.as_tensor(ids, device=device)
-        downlink = downlink_for(ids)
-        looped = device.type == "cpu" and sizes[group].mean() >= LOOP_ROWS
-        if looped:  # each client's state read in place, personalized on its own rows
-            raw = client_states(states, group, device)
-            adapted = raw
-            if personalize is not None:
-                adapted = personalized(algorithm, personalization, downlink, raw, ids)
-        else:
-            raw = {
-                k: v[torch.as_tensor(group, device=v.device)].to(device) for k, v in states.items()
-            }
-            adapted = raw
-            if personalize is not None:
-                with torch.enable_grad():
-                    adapted = tree.detach(personalize(downlink, raw, personalization.inputs(ids)))
-        for split, pool in pools.items():
-            features = None
-            rows, valid = pool.rows(ids)
-            labels = (pool.y[rows], valid.to(dtype))
-            lmask = pool.label_masks[index]
-            for view in views:
-                chunk_states = raw if view == "before_adapt" else adapted
-                keys = chunk_states[0] if looped else chunk_states  # one client's state's keys
-                whole = view not in head_views or any(k.startswith("body.") for k in keys)
-                # the personalized model with an empty state, or a head fixed by the downlink
-                downlink_model = view in ("", "before_adapt") and (
-                    (not keys and rowwise and not algorithm.per_client_downlink)
-                    or (shared_head and not whole and not any(k.startswith("head.") for k in keys))
-                )
-                if view in once or downlink_model:
-                    logits = shared(split, view if view in once else LOGITS, downlink).padded(ids)
-                    loss, acc = logit_metrics(logits, *labels, lmask)
-                elif looped:
-                    if whole:
-                        fn, inputs, starts = views[view], pool.x, pool.offsets[index]
-                    else:
-                        if features is None:  # (each client's rows, where they start)
-                            features = shared(split, "", downlink).flat(ids)
-                        fn, (inputs, starts) = algorithm.predict_head, features
-                    loss, acc = looped_metrics(
-                        fn, downlink, dl_dim is not None, chunk_states, inputs, starts, pool, ids,
-                        lmask,
-                    )  # fmt: skip
-                elif whole:
-                    x, y, mask = pool.padded(ids)
-                    loss, acc = metric_fns[view](downlink, chunk_states, x, y, mask, lmask)
-                else:
-                    if features is None:
-                        features = shared(split, "", downlink).padded(ids)
-                    loss, acc = head_metrics(downlink, chunk_states, features, *labels, lmask)
-                suffix = f"_{view}" if view else ""
-                for name, value in ((f"{split}_loss{suffix}", loss), (f"{split}_acc{suffix}", acc)):
-                    column = columns.setdefault(name, np.full(len(ids_all), np.nan))
-                    column[group] = value.double().cpu().numpy()
-    return columns
+    ids = np.arange(len(first.sizes)) if clients is None else np.asarray(clients, np.int64)
+    evaluator = Evaluator(algorithm, pools, ids, personalization, chunk_size, budget)
+    return evaluator.columns(downlink_for, states)
 
 
 @torch.no_grad()
