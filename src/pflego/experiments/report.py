@@ -128,62 +128,22 @@ def plan_from_directories(paths: list[Path]) -> tuple[Plan, Path]:
     """
     if len(paths) == 1 and (paths[0] / MANIFEST).is_file():
         return read_manifest(paths[0]), paths[0]
-    runs: list[Path] = []
-    for path in paths:
-        if not path.is_dir():
-            raise ConfigError(f"{path} is not a directory")
-        found = (
-            [path]
-            if (path / "metrics.jsonl").is_file()
-            else sorted(p.parent for p in path.rglob("metrics.jsonl"))
-        )
-        if not found:
-            raise ConfigError(
-                f"{path} holds no run (no metrics.jsonl); is it a pflego run directory?"
-            )
-        runs += found
+    runs = [run for path in paths for run in run_directories(path)]
     configs = [read_yaml(p / "config.yaml") for p in runs]
-
-    def key(config: dict[str, Any]) -> str:
-        """Everything but the seed (and bookkeeping): runs equal in it form one row."""
-        return repr(
-            sorted((k, v) for k, v in config.items() if k not in BOOKKEEPING or k == "algorithm")
-        )
-
     groups: dict[str, list[int]] = {}
     for i, config in enumerate(configs):
-        groups.setdefault(key(config), []).append(i)
-    names = {}
-    for members in groups.values():
-        config = configs[members[0]]
-        twins = [g for g in groups.values() if configs[g[0]]["algorithm"] == config["algorithm"]]
-        name = config["algorithm"]
-        if len(twins) > 1:
-            differing = sorted(
-                k
-                for k in config
-                if k not in BOOKKEEPING
-                and any(configs[t[0]].get(k) != config.get(k) for t in twins)
-            )
-            name += " (" + ", ".join(f"{k}={config[k]}" for k in differing) + ")"
-        names[members[0]] = name
+        groups.setdefault(_row_key(config), []).append(i)
     planned, rows = [], []
     for members in groups.values():
-        name = names[members[0]]
+        config = configs[members[0]]
+        name = _row_name(config, [configs[g[0]] for g in groups.values()])
         rows.append(
-            {
-                "name": name,
-                "algorithm": configs[members[0]]["algorithm"],
-                "metric": "test_acc",
-                "runs_as": name,
-            }
+            {"name": name, "algorithm": config["algorithm"], "metric": "test_acc", "runs_as": name}
         )
-        for i in members:
-            planned.append(
-                PlannedRun(
-                    ALL, name, int(configs[i]["seed"]), None, str(runs[i].resolve()), configs[i]
-                )
-            )
+        planned += [
+            PlannedRun(ALL, name, int(configs[i]["seed"]), None, str(runs[i].resolve()), configs[i])
+            for i in members
+        ]
     plan = Plan(
         kind="runs",
         name="runs",
@@ -193,3 +153,36 @@ def plan_from_directories(paths: list[Path]) -> tuple[Plan, Path]:
         runs=planned,
     )
     return plan, Path("/")
+
+
+def run_directories(path: Path) -> list[Path]:
+    """``path`` itself if it is a run directory, else the run directories below it."""
+    if not path.is_dir():
+        raise ConfigError(f"{path} is not a directory")
+    if (path / "metrics.jsonl").is_file():
+        return [path]
+    found = sorted(p.parent for p in path.rglob("metrics.jsonl"))
+    if not found:
+        raise ConfigError(f"{path} holds no run (no metrics.jsonl); is it a pflego run directory?")
+    return found
+
+
+def _row_key(config: dict[str, Any]) -> str:
+    """Everything but the seed (and bookkeeping): runs equal in it form one row."""
+    return repr(
+        sorted((k, v) for k, v in config.items() if k not in BOOKKEEPING or k == "algorithm")
+    )
+
+
+def _row_name(config: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The row's algorithm, with the settings that tell it from the other ``rows`` (one config
+    a row) of the same algorithm."""
+    twins = [other for other in rows if other["algorithm"] == config["algorithm"]]
+    if len(twins) == 1:
+        return config["algorithm"]
+    differing = sorted(
+        k
+        for k in config
+        if k not in BOOKKEEPING and any(other.get(k) != config.get(k) for other in twins)
+    )
+    return config["algorithm"] + " (" + ", ".join(f"{k}={config[k]}" for k in differing) + ")"
