@@ -30,6 +30,7 @@ def test_every_algorithm_reports_its_unseen_clients(name):
     assert 0 <= record["unseen_test_acc"] <= 1
     assert np.isfinite(record["unseen_train_loss"])
     assert {"unseen_test_acc_weighted", "unseen_test_acc_p10", "test_acc"} <= record.keys()
+    assert record["participation_gap"] == record["unseen_test_acc"] - record["test_acc"]
 
 
 @pytest.mark.parametrize("name", NAMES)

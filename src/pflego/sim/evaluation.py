@@ -16,7 +16,7 @@ from pflego.history import snapshot
 from pflego.rng import adapt_rng, seed_for
 from pflego.sim.clients import ClientPool, Cohort
 from pflego.sim.guards import deferred_interrupts
-from pflego.sim.metrics import Personalization, client_rows, summarize
+from pflego.sim.metrics import Personalization, client_rows, participation_gap, summarize
 from pflego.tree import Params
 from pflego.types import ClientData, RoundContext
 
@@ -64,7 +64,7 @@ class Evaluation:
             summary |= self.population_summary()
             if self.unseen_pools is not None:
                 unseen_summary, unseen_rows = self.evaluate_unseen(completed)
-                summary |= unseen_summary
+                summary |= unseen_summary | participation_gap(summary | unseen_summary)
                 rows += unseen_rows
         record = evaluation_record(self.cfg, completed, summary, self.seconds)
         if self.algorithm.adapts:
