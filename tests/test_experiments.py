@@ -419,6 +419,8 @@ def test_best_validation_round_and_rounds_to_target():
     assert M.rounds_to_target(history, "test_acc", 0.7) == 2
     assert M.rounds_to_target(history, "test_acc", 0.95) is None
     assert M.companion("test_acc_global", "p10") == "test_acc_p10_global"
+    assert M.participation_gap_key("unseen_test_acc_global") == "participation_gap_global"
+    assert M.participation_gap_key("val_acc") is None
     assert M.validation_metric("unseen_test_acc") == "unseen_val_acc"
 
 
@@ -473,6 +475,27 @@ def test_report_of_a_missing_run_is_marked(tmp_path):
         (out / "pflego" / "seed-0" / name).unlink()
     text = build_report(out).markdown()
     assert "| pflego | — (missing) |" in text
+
+
+def test_report_shows_the_spread_over_clients_and_the_participation_gap(tmp_path):
+    path = small_preset(tmp_path)
+    values = yaml.safe_load(path.read_text())
+    values["settings"] |= {"unseen_fraction": 0.34, "val_fraction": 0.3}
+    path.write_text(yaml.safe_dump(values))
+    out = tmp_path / "out"
+    reproduce(path, out=out, progress=False)
+    report = build_report(out)
+    window = History.load(out / "fedavg" / "seed-0").final_window(2)
+    final = {k: np.mean([r[k] for r in window]) for k in ("test_acc_p90", "participation_gap")}
+    line = next(r for r in csv.DictReader(report.csv().splitlines()) if r["row"] == "fedavg")
+    assert float(line["p90_mean"]) == pytest.approx(final["test_acc_p90"], rel=1e-5)
+    assert float(line["participation_gap_mean"]) == pytest.approx(
+        final["participation_gap"], rel=1e-5
+    )
+    assert line["client_std_mean"] and line["best_val_rounds"]
+    text = report.markdown()
+    assert "top decile (%) | std over clients (pp) | participation gap (pp)" in text
+    assert f"{100 * final['participation_gap']:.2f}" in text and "Participation gap (Yuan" in text
 
 
 def test_blocks_with_their_own_data_and_row_overrides(tmp_path, monkeypatch):

@@ -4,8 +4,9 @@ Names follow ``metrics.jsonl``: an accuracy key ends in ``acc`` (or carries a vi
 ``test_acc_global``) and is a fraction in files, shown in percent in tables. The final value of a
 metric is the mean of the evaluations in the last ``average_last`` rounds (:meth:`History.final_window`),
 never including round 0. Beside the final value: the test metric at the round of best validation
-accuracy (when a validation split exists; never the best test round), the first round that reaches a
-target accuracy, the per-client gain over a ``local`` run of the same partition and seed, and
+accuracy (when a validation split exists; never the best test round), the top decile and the
+standard deviation over clients, the participation gap (when some clients never trained), the first
+round that reaches a target accuracy, the per-client gain over a ``local`` run of the same partition and seed, and
 per-round communication and client FLOPs measured once from round 0 (:func:`measure_costs`).
 """
 
@@ -27,8 +28,9 @@ COSTS_FILE = "costs.json"
 
 
 def is_accuracy(metric: str) -> bool:
-    """Whether a metrics.jsonl key is an accuracy (a fraction, shown in percent)."""
-    return "_acc" in metric or metric.startswith("acc")
+    """Whether a metrics.jsonl key is an accuracy or a difference of accuracies (a fraction, shown
+    in percent)."""
+    return "_acc" in metric or metric.startswith(("acc", "participation_gap"))
 
 
 def companion(metric: str, stat: str) -> str:
@@ -36,6 +38,13 @@ def companion(metric: str, stat: str) -> str:
     ``test_acc_p10_global`` (eval.summarize puts the statistic before the view suffix)."""
     head, sep, view = metric.partition("_acc")
     return f"{head}_acc_{stat}{view}" if sep else metric
+
+
+def participation_gap_key(metric: str) -> str | None:
+    """The participation gap of a test accuracy's view (``test_acc_global`` or
+    ``unseen_test_acc_global`` -> ``participation_gap_global``); ``None`` for other metrics."""
+    head, sep, view = metric.partition("_acc")
+    return f"participation_gap{view}" if sep and head in ("test", "unseen_test") else None
 
 
 def validation_metric(metric: str) -> str:

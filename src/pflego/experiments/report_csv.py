@@ -1,7 +1,8 @@
 """``report.csv``: one line per report row, accuracies as fractions (as in ``metrics.jsonl``).
 
 The same numbers as ``report.md`` unrounded (six significant digits), for other tools: the mean,
-std and per-seed final values, the paper's number and the difference, the more measures, the
+std and per-seed final values, the paper's number and the difference, the more measures (the
+top decile, the standard deviation over clients, the participation gap...), the
 final window, the costs per round and each seed's status.
 """
 
@@ -30,6 +31,9 @@ CSV_COLUMNS = [
     "paper_std",
     "difference",
     "p10_mean",
+    "p90_mean",
+    "client_std_mean",
+    "participation_gap_mean",
     "weighted_mean",
     "train_loss_mean",
     "window_evaluations",
@@ -87,6 +91,9 @@ def csv_row(row: RowResult, target_acc: float | None) -> dict[str, object]:
         "paper_std": g(None if row.paper_std is None else row.paper_std / scale),
         "difference": g(row.difference()),
         "p10_mean": g(row.stat("p10")[0]),
+        "p90_mean": g(row.stat("p90")[0]),
+        "client_std_mean": g(row.stat("client_std")[0]),
+        "participation_gap_mean": g(row.stat("gap")[0]),
         "weighted_mean": g(row.stat("weighted")[0]),
         "train_loss_mean": g(row.stat("train_loss")[0]),
         "window_evaluations": window[0],

@@ -23,7 +23,7 @@ from pflego.experiments.report_formatting import (
     window_text,
     windows,
 )
-from pflego.experiments.report_rows import RowResult, rows_by_block
+from pflego.experiments.report_rows import RowResult, logged, rows_by_block
 from pflego.experiments.report_tables import main_table, measures_table, ranking_table, seed_table
 from pflego.experiments.runs import Plan
 
@@ -100,8 +100,12 @@ def metric_definition(metric: str) -> str:
             f"averaged over clients weighted by their {split_name} samples",
             parts[1:],
         )
-    elif parts[:1] == ["p10"]:
-        statistic, parts = "the 10th percentile over clients (bottom decile)", parts[1:]
+    elif parts[:1] in (["p10"], ["p90"]):
+        decile = "bottom" if parts[0] == "p10" else "top"
+        statistic = f"the {parts[0][1:]}th percentile over clients ({decile} decile)"
+        parts = parts[1:]
+    elif parts[:1] == ["std"]:
+        statistic, parts = "its standard deviation over clients", parts[1:]
     view = "_".join(parts)
     model = "each client's personalized model (after `adapt` where the algorithm has one)"
     if view == "before_adapt":
@@ -159,6 +163,22 @@ def several_seeds(rows: list[RowResult]) -> bool:
     return max((len(r.seeds) for r in rows), default=1) > 1
 
 
+def spread_text(rows: list[RowResult]) -> str:
+    """What the top decile, the std over clients and the participation gap are, where shown."""
+    text = ""
+    if logged(rows, "p90"):
+        text += (
+            " Top decile: the 90th percentile of the clients' accuracies; std over clients: their"
+            " standard deviation (population, over the clients with test data)."
+        )
+    if logged(rows, "gap"):
+        text += (
+            " Participation gap (Yuan et al., ICLR 2022): the mean accuracy of the clients that"
+            " never trained (after `join`) minus that of the clients that trained."
+        )
+    return text
+
+
 def definitions(plan: Plan, rows: list[RowResult], target_acc: float | None) -> list[str]:
     """The paragraph that says what every number is."""
     metrics = sorted({r.metric for r in rows})
@@ -180,6 +200,7 @@ def definitions(plan: Plan, rows: list[RowResult], target_acc: float | None) -> 
         "the same names); differences in percentage points (pp)."
     )
     several = several_seeds(rows)
+    text += spread_text(rows)
     if any(s.best_val for r in rows for s in r.seeds):
         text += (
             ' "At the best-validation round": the test value at the evaluation with the highest '

@@ -2,7 +2,8 @@
 
 A report has one row per planned row, block and sweep value; :func:`collect` reads each row's
 run directories (one per seed) and keeps what the tables, ``report.csv`` and the figures show:
-the final value, bottom decile, sample-weighted value, training loss and time, the
+the final value, bottom and top deciles, standard deviation over clients, participation gap,
+sample-weighted value, training loss and time, the
 best-validation round, the rounds to a target accuracy, the gain over ``local``, the costs per
 round, and each run's status (done, partial, diverged or missing).
 """
@@ -32,6 +33,9 @@ class SeedResult:
     status: str  # done | partial (round r of T) | diverged | missing
     final: float = math.nan
     p10: float = math.nan
+    p90: float = math.nan
+    client_std: float = math.nan  # the standard deviation over clients
+    gap: float = math.nan  # the participation gap
     weighted: float = math.nan
     train_loss: float = math.nan
     seconds: float = math.nan
@@ -114,6 +118,11 @@ class RowResult:
         return float(np.mean([c[key] for c in costs])) if costs else None
 
 
+def logged(rows: list[RowResult], attr: str) -> bool:
+    """Whether some run of ``rows`` has a number (not NaN) for ``attr`` (``p90``, ``gap``...)."""
+    return any(not math.isnan(getattr(s, attr)) for r in rows for s in r.seeds)
+
+
 def rows_by_block(plan: Plan, rows: list[RowResult]) -> dict[str, list[RowResult]]:
     """The rows of each block that has any, in the plan's order of blocks and of rows."""
     grouped = {block: [r for r in rows if r.block == block] for block in plan.blocks}
@@ -191,6 +200,11 @@ def seed_result(
     result.final = M.final_value(history, metric, last)
     result.p10 = M.final_value(history, M.companion(metric, "p10"), last)
     result.weighted = M.final_value(history, M.companion(metric, "weighted"), last)
+    if M.companion(metric, "p90") != metric:  # an accuracy
+        result.p90 = M.final_value(history, M.companion(metric, "p90"), last)
+        result.client_std = M.final_value(history, M.companion(metric, "std"), last)
+    if gap := M.participation_gap_key(metric):
+        result.gap = M.final_value(history, gap, last)
     result.train_loss = M.final_value(history, "train_loss", last)
     result.seconds = M.value(history.records[-1], "seconds")
     result.best_val = M.best_validation(history, metric)

@@ -7,6 +7,8 @@ LaTeX ``tabular`` (``report.tex``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from pflego.experiments import measures as M
@@ -19,7 +21,7 @@ from pflego.experiments.report_formatting import (
     seeds_text,
     unit,
 )
-from pflego.experiments.report_rows import RowResult, rows_by_block
+from pflego.experiments.report_rows import RowResult, logged, rows_by_block
 from pflego.experiments.runs import Plan
 from pflego.experiments.seeds import mean_std
 
@@ -127,16 +129,32 @@ def cost_cells(row: RowResult) -> list[str]:
     return ["—" if cost is None else f"{cost / scale:.3g}" for cost, scale in costs]
 
 
+def spread_columns(rows: list[RowResult]) -> list[tuple[bool, list[str], Callable]]:
+    """The columns of the spread over clients and of the participation gap: (shown, names,
+    cells of a row); shown where some run logged them."""
+    return [
+        (
+            logged(rows, "p90"),
+            ["top decile (%)", "std over clients (pp)"],
+            lambda r: [fmt_stat(*r.stat(attr), r.metric) for attr in ("p90", "client_std")],
+        ),
+        (
+            logged(rows, "gap"),
+            ["participation gap (pp): unseen − trained"],
+            lambda r: [fmt_stat(*r.stat("gap"), "participation_gap")],
+        ),
+    ]
+
+
 def measures_table(
     rows: list[RowResult], target_acc: float | None
 ) -> tuple[list[str], list[list[str]]] | None:
-    """More measures: best-validation round, rounds to target, gain over local, costs."""
+    """More measures: the top decile and the standard deviation over clients, the participation
+    gap, best-validation round, rounds to target, gain over local, costs."""
     has_val = any(s.best_val for r in rows for s in r.seeds)
     has_gain = any(s.gain for r in rows for s in r.seeds)
     has_costs = any(s.costs for r in rows for s in r.seeds)
-    if not (has_val or target_acc is not None or has_gain or has_costs):
-        return None
-    columns = [
+    columns = spread_columns(rows) + [
         (
             has_val,
             ["test value at the best-validation round (%)"],
@@ -151,6 +169,8 @@ def measures_table(
         (has_costs, ["MB up per round", "MB down per round", "client GFLOP per round"], cost_cells),
     ]
     shown = [(names, cells) for on, names, cells in columns if on]
+    if not shown:
+        return None
     header = ["algorithm"] + [name for names, _ in shown for name in names]
     return header, [[row.marked] + [c for _, cells in shown for c in cells(row)] for row in rows]
 
