@@ -377,7 +377,7 @@ def test_console_and_metrics_use_the_same_names_and_step_sizes(capsys, tmp_path)
     last = History.load(out).records[-1]
     assert code == 0
     first = stdout.splitlines()[0]
-    for key in ("test_acc", "test_acc_weighted", "test_acc_p10"):
+    for key in ("test_acc", "test_acc_weighted", "test_acc_p10", "test_acc_p90", "test_acc_std"):
         assert f"{key} {100 * last[key]:.2f}%" in first  # percent on the console
         assert 0 <= last[key] <= 1  # fractions in the file
     assert f"train_loss {last['train_loss']:.4f}" in first

@@ -23,15 +23,28 @@ from pflego.cli.flags import (
 from pflego.cli.session import Interrupted, interrupted_experiment
 from pflego.errors import ConfigError, PflegoError
 
+#: The accuracies the summary prints (with ``participation_gap`` where clients never trained).
+CONSOLE_ACCURACIES = (
+    "test_acc",
+    "test_acc_weighted",
+    "test_acc_p10",
+    "test_acc_p90",
+    "test_acc_std",
+)
+
 
 def summary(history) -> str:
     """Two lines on a finished run: its final evaluation, named as in ``metrics.jsonl``."""
+    from pflego.experiments.measures import best_validation
+
     last = history.records[-1]
     metrics = ", ".join(
         f"{key} {100 * last[key]:.2f}%"
-        for key in ("test_acc", "test_acc_weighted", "test_acc_p10")
+        for key in (*CONSOLE_ACCURACIES, "participation_gap")
         if last.get(key) is not None
     )
+    if best := best_validation(history, "test_acc"):
+        metrics += f", test_acc {100 * best[1]:.2f}% at the best val_acc (round {best[0]})"
     if last.get("dp_epsilon") is not None:
         metrics += f", dp_epsilon {last['dp_epsilon']:.3g} at dp_delta {last['dp_delta']:g}"
     loss = last.get("train_loss")
