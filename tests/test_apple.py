@@ -142,3 +142,47 @@ def test_the_schedules_follow_the_authors_loss_scheduler():
 def test_bad_options_are_one_line_errors(options):
     with pytest.raises(ConfigError):
         ragged_experiment("apple", options=options)
+
+
+def initial_cores(seed: int, own_init: bool, backend: str = "vmap") -> list[dict]:
+    sim = Simulation(
+        ragged_experiment("apple", seed=seed, backend=backend, options={"own_init": own_init}),
+        None,
+    )
+    ctx = sim.context(0)
+    cores = sim.algorithm.cores(sim.server, ctx)
+    return [{k: v[j] for k, v in cores.items()} for j in range(ctx.num_clients)]
+
+
+def test_own_init_draws_each_clients_core_from_the_seed_and_its_id():
+    """The authors' per-client initializations differ between clients and follow the run's seed;
+    without ``own_init`` every core is the run's one initial model."""
+    shared, own = initial_cores(0, False), initial_cores(0, True)
+    for core in shared[1:]:
+        assert_close(core, shared[0])
+    for i, a in enumerate(own):
+        for b in own[i + 1 :]:
+            assert not torch.equal(a["head.weight"], b["head.weight"])
+            assert not torch.equal(a["body.1.weight"], b["body.1.weight"])
+    for a, b in zip(own, initial_cores(0, True, backend="loop"), strict=True):
+        assert_close(a, b)  # no global RNG: the same draw again
+    assert not torch.equal(initial_cores(1, True)[0]["head.weight"], own[0]["head.weight"])
+
+
+@pytest.mark.parametrize("setting", [{"inner_steps": 3}, {"batch_size": 4, "local_epochs": 1.0}])
+def test_own_init_rounds_equal_the_authors_training_from_the_clients_own_cores(setting):
+    options = {"own_init": True, "dr_lr": DR_LR}  # the reference steps p with DR_LR
+    sim = Simulation(ragged_experiment("apple", options=options, **setting), None)
+    cores = initial_cores(0, True)
+    count = len(cores)
+    ps = [torch.full((count,), 1 / count, dtype=torch.float64) for _ in range(count)]
+    for t in range(2):
+        ctx, cohort = sim.context(t), sim.cohort(t)
+        inputs = sim.round_inputs(t, cohort)
+        table = [dict(c) for c in cores]
+        coef = 0.1 * 0.001 ** (t / 16)  # the defaults: mu 0.1, L = 16 rounds
+        for c, i in enumerate(int(i) for i in cohort):
+            cores[i], ps[i] = apple_round(table, i, ps[i], inputs.client(c), ctx.client_lr, 0, coef)
+        sim.run_round(t)
+        for i in range(count):
+            assert_close({k: v[i] for k, v in sim.server["cores"].items()}, cores[i])

@@ -106,6 +106,12 @@ def test_fedala_rounds_equal_the_papers_updates(setting, top):
             assert_close(
                 {k[8:]: v for k, v in state.items() if k.startswith("weights.")}, weights[i]
             )
+    # Each client predicts with its own trained local model, not the global one.
+    downlink = sim.algorithm.downlink(sim.server, sim.context(3))
+    x = inputs.client(0).x
+    for i, model in local.items():
+        predicted = sim.algorithm.predict(downlink, sim.store.get(i), x)
+        torch.testing.assert_close(predicted, logits(model, x), rtol=1e-10, atol=1e-12)
     # The first ALA of every client ran several epochs, some stopping before the cap; later ones one.
     firsts = [e for first, e in epochs_run if first]
     assert firsts and all(e > options["num_pre_loss"] for e in firsts)
@@ -141,3 +147,25 @@ def test_the_top_layers_are_counted_from_the_output():
 def test_bad_options_are_one_line_errors(options):
     with pytest.raises(ConfigError):
         ragged_experiment("fedala", options=options)
+
+
+def test_a_new_client_predicts_with_the_global_model_until_it_joins_and_then_its_own():
+    """Before training a client predicts with the global model; ``join`` (no local model, so no
+    ALA) trains the global model with the run's schedule, and the client predicts with that."""
+    sim = Simulation(ragged_experiment("fedala", batch_size=3, local_epochs=1.0), None)
+    sim.run_round(0)
+    ctx, cohort = sim.context(1), sim.cohort(1)
+    data = sim.round_inputs(1, cohort).client(0)
+    glob = {k: v.clone() for k, v in sim.server["params"].items()}
+    downlink = sim.algorithm.downlink(sim.server, ctx)
+    first_visit = sim.init_state(int(cohort[0]), downlink, ctx)
+    loss = lambda p, x, y: F.cross_entropy(logits(p, x), y)  # noqa: E731
+    expected = descend(glob, MODEL, loss, steps_of(data), lr=ctx.client_lr)
+    predict = sim.algorithm.predict
+    exact = dict(rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        predict(downlink, first_visit, data.x), logits(glob, data.x), **exact
+    )
+    joined = sim.algorithm.join(downlink, first_visit, data, ctx)
+    assert_close({k[6:]: v for k, v in joined.items() if k.startswith("local.")}, expected)
+    torch.testing.assert_close(predict(downlink, joined, data.x), logits(expected, data.x), **exact)

@@ -87,3 +87,21 @@ def test_join_epochs_sets_how_long_new_clients_personalize():
     assert batches.shape[1] == math.ceil(3 * largest / 4)
     trained = sim.personalization(1, unseen=False)
     assert trained is None  # the clients that trained are not affected (fedper has no adapt)
+
+
+#: The methods whose ``join`` trains (FedBN's trains the normalization layers, which the tiny MLP
+#: lacks).
+JOIN_TRAINS = [name for name in NAMES if ALGORITHMS[name].join_trains and name != "fedbn"]
+
+
+@pytest.mark.parametrize("name", JOIN_TRAINS)
+def test_join_trains_the_new_clients(name, monkeypatch):
+    """A method that declares ``join_trains`` personalizes a newcomer: its unseen clients' train
+    loss is lower than with a ``join`` that returns the first-visit state unchanged (a small step
+    size: GPFL's head on the valve's features diverges at 0.05)."""
+    sim = unseen_simulation(name, client_lr=0.01)
+    sim.run_round(0)
+    joined = sim.evaluate_unseen(1)[0]["unseen_train_loss"]
+    monkeypatch.setattr(type(sim.algorithm), "join", lambda self, downlink, state, data, ctx: state)
+    untrained = sim.evaluate_unseen(1)[0]["unseen_train_loss"]
+    assert joined < untrained - 1e-6

@@ -34,9 +34,13 @@ Deliberate differences and choices:
   authors' code writes it.
 - The algorithm does not see the run's length: L is ``reg_fraction`` of ``horizon`` rounds (set
   ``horizon`` to the run's ``rounds``).
+- Every client's core model starts as the run's initial model (``own_init`` false, the default),
+  so until they train the DR gradients toward the other clients are identical; the authors' code
+  draws a separate random initialization per client: ``own_init: true``, client j's drawn from
+  the run's seed and j. The default keeps the existing results.
 - Every client downloads all I core models every round (the authors' default; their option to
   download only M of them, picked by |p_ij|, is not offered). A client that has not trained yet
-  has the initial model as its core. Only the sampled clients train (the authors' simulation
+  has its initial model as its core. Only the sampled clients train (the authors' simulation
   trains every client every round, the cross-silo setting).
 - PFLlib's version multiplies the cores' step size by I and replaces the exact DR gradient by a
   mean over parameter tensors of element-wise products; here both are as in the authors' code.
@@ -59,10 +63,12 @@ from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.fields import at_least, between, non_negative, one_of, setting
 from pflego.loss import masked_cross_entropy
+from pflego.rng import seed_for
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, ServerState
 
 CORE, OWN = "core.", "own"
+INIT_STREAM = 19  # the random stream of the clients' own initial core models (``own_init``)
 
 
 @register("apple")
@@ -88,6 +94,9 @@ class APPLE(Algorithm):
     horizon: int = setting(
         160, "the rounds the schedule spans (set it to the run's rounds)", at_least(1)
     )
+    own_init: bool = setting(
+        False, "start every client's core model from its own random initialization (the authors')"
+    )
 
     personal: ClassVar[tuple[str, ...]] = ("body", "head")
     per_client_downlink: ClassVar[bool] = True
@@ -112,10 +121,19 @@ class APPLE(Algorithm):
         return {"params": params}
 
     def cores(self, server: ServerState, ctx: RoundContext) -> Params:
-        """Every client's latest core model, ``[I, ...]``."""
+        """Every client's latest core model, ``[I, ...]``: before the first round the initial
+        model, or with ``own_init`` client j's own, drawn from the run's seed and j."""
         if "cores" in server:
             return server["cores"]
-        return {k: v.expand(ctx.num_clients, *v.shape) for k, v in server["params"].items()}
+        params = server["params"]
+        if not self.own_init:
+            return {k: v.expand(ctx.num_clients, *v.shape) for k, v in params.items()}
+        first = next(iter(params.values()))
+        inits = [
+            self.init_params(seed_for(ctx.seed, INIT_STREAM, j), first.dtype)
+            for j in range(ctx.num_clients)
+        ]
+        return {k: torch.stack([init[k] for init in inits]).to(v.device) for k, v in params.items()}
 
     def downlink(
         self, server: ServerState, ctx: RoundContext, clients: Tensor | None = None

@@ -1,9 +1,9 @@
 """FedAS: parameter alignment and Fisher-weighted client synchronization.
 
 Yang, Huang, Ye. "FedAS: Bridging Inconsistency in Personalized Federated Learning". CVPR 2024.
-(No arXiv version is known to us.) The update follows the implementation the authors contributed to
-PFLlib (``clientas.py``, ``serveras.py``); the paper was not available offline, so where the two
-may differ is stated below as an assumption.
+(No arXiv version is known to us.) Authors' code: github.com/xiyuanyang45/FedAS, also contributed
+to PFLlib (``clientas.py``, ``serveras.py``), which the update follows; the paper was not
+available offline, so where the two may differ is stated below as an assumption.
 
 Client i keeps a whole local model theta_i = (phi_i, h_i): the body phi_i is refreshed from the
 server every time it is sampled, the head h_i never leaves it. In round t a sampled client
@@ -32,9 +32,10 @@ Assumptions and deliberate differences:
 - Client synchronization uses one scalar per client, the Fisher trace F_i, as the authors' code
   does; if the paper weighs each parameter by its own (diagonal) Fisher information, this is the
   code's simplification, not the paper's rule (we could not check the paper offline).
-- In the authors' code the alignment optimizer acts on the server's global model itself, so each
-  sampled client in turn aligns the body the previous one already aligned, and the last one's
-  result stays in the server's model; here every client aligns its own copy of phi^t.
+- In the authors' repository the alignment optimizer acts on the server's global model in place,
+  so each sampled client in turn aligns the body the previous one already aligned, and the last
+  one's result stays in the server's model; current PFLlib deep-copies the model before aligning,
+  and so does pflego: every client aligns its own copy of phi^t.
 - The authors' code also lets clients that were not sampled compute their Fisher trace each
   round; only the sampled clients' traces weigh the aggregate, so it is not computed here.
 - The server in the authors' code averages the heads too, but no client ever receives them; only

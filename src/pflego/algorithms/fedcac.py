@@ -24,7 +24,11 @@ the server optimizer steps along ``theta_g - sum_i (N_i / N) theta_i'``, so SGD 
 average); u_i and m_i -> the server's table ``server["cac"]`` (``custom.*``, ``mask.*``, ``has``:
 1 once client i has trained); the composed theta_i is what the downlink sends client i (a newcomer
 or a client that never trained gets theta_g); tau -> ``tau`` (default 0.5), beta -> ``beta``
-(default 170, FL-bench's defaults); E -> the run's local schedule with ``ctx.client_lr``.
+(default 170); E -> the run's local schedule with ``ctx.client_lr``. The authors' configurations
+are tau 0.5 / beta 100 for CIFAR-10 and tau 0.4 / beta 170 for CIFAR-100; the default pair is
+neither (CIFAR-10's tau with CIFAR-100's beta), kept so that existing results do not move: set
+``beta`` 100 for the authors' CIFAR-10 pair, ``tau`` 0.4 for their CIFAR-100 one. FL-bench has
+no FedCAC.
 
 Choices and differences (the authors' code is FLAIR-Community/Fling, ``fedcac_client`` /
 ``fedcac_group``, which this follows):
@@ -35,11 +39,11 @@ Choices and differences (the authors' code is FLAIR-Community/Fling, ``fedcac_cl
 - The server composes theta_i and sends that one model (the paper sends theta_g and u_i and the
   client composes them with its mask: the same model, half the downlink). The masks therefore
   live on the server, which needs them for the overlaps anyway.
-- theta_g is the N_i-weighted mean of the local models (FedAvg; Fling's ``fed_avg`` is the plain
-  mean, equal for equal-sized clients). Overlaps, o_avg, o_max and u_i run over the round's
-  clients (the authors run every client every round); a client's u_i and m_i are those of the last
-  round it took part in, composed with the current theta_g. With a single client in the round, u_i
-  is its own model.
+- theta_g is the N_i-weighted mean of the local models (FedAvg), as the authors' ``fed_avg``;
+  u_i is the plain mean of the collaborators' models, as theirs. Overlaps, o_avg, o_max and u_i
+  run over the round's clients (the authors run every client every round); a client's u_i and
+  m_i are those of the last round it took part in, composed with the current theta_g. With a
+  single client in the round, u_i is its own model.
 
 Unseen clients (``join``): nothing to personalize; they evaluate theta_g.
 """

@@ -17,6 +17,8 @@ Symbols to code: f -> ``self.model.forward`` of ``body.*`` and ``head.*`` (share
 head), n_{c,y} -> the label counts of the client's training split (computed from ``data.y`` and
 ``data.mask`` every round), tau -> ``tau`` (default 1.0, FL-bench's and PFLlib's default; the
 paper tunes it), the local solver -> ``pflego.local.train_steps`` with ``ctx.client_lr``.
+Each client calibrates with its own label counts, as the paper; PFLlib's ``clientlc.py`` instead
+uses the label counts summed over the whole federation, the same for every client.
 
 The denominator: the paper's Eq. writes it over y' != y, a margin loss that is unbounded below;
 FL-bench reports that training collapses with it (its ``src/server/fedlc.py`` note, issue #5)

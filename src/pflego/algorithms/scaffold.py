@@ -25,7 +25,8 @@ the gradient of ``f_i(y) + <c - c_i, y>``: an ``Objective`` with the linear term
 plain SGD on it runs fused.
 
 Differences and choices: the mean over S is unweighted, as in the paper's Algorithm 1 (no
-official code was released; FL-bench and PFLlib weigh Delta y_i by N_i). The server's step on x
+official code was released; FL-bench and PFLlib too average the models and the control variates
+with a plain mean, no N_i weights). The server's step on x
 is the server optimizer's, along the mean of ``x - y_i`` with ``server_lr`` as eta_g: SGD (the
 default) is the paper's step, and ``momentum`` / ``adagrad`` / ``yogi`` / ``adam`` give SCAFFOLD
 with that server optimizer; c always takes the paper's plain step. Option I's g_i(x) is the
