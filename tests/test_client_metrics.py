@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pflego.sim.metrics import participation_gap, summarize
+from pflego.sim.summary import participation_gap, summarize
 
 
 def row(test_acc: float, n_test: int, global_acc: float) -> dict[str, float]:

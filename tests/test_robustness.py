@@ -101,7 +101,7 @@ def test_a_class_only_in_a_clients_test_split_gets_no_output_and_counts_as_an_er
 
 
 def test_a_client_without_a_test_sample_of_its_classes_has_no_loss_but_an_accuracy():
-    from pflego.sim.metrics import summarize
+    from pflego.sim.summary import summarize
 
     rows = [
         {"n_train": 2, "n_test": 2, "n_test_known": 0, "train_loss": 1.0, "train_acc": 1.0,

@@ -17,7 +17,7 @@ from pflego.flower.status import log_event
 from pflego.flower.training import TrainingRounds
 from pflego.history import RunDir
 from pflego.sim import evaluation_due, evaluation_record, evaluation_sample
-from pflego.sim.metrics import summarize
+from pflego.sim.summary import summarize
 
 log = logging.getLogger("pflego.flower")
 

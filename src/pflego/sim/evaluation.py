@@ -16,7 +16,8 @@ from pflego.history import snapshot
 from pflego.rng import adapt_rng, seed_for
 from pflego.sim.clients import ClientPool, Cohort
 from pflego.sim.guards import deferred_interrupts
-from pflego.sim.metrics import Personalization, client_rows, participation_gap, summarize
+from pflego.sim.metrics import Personalization, client_rows
+from pflego.sim.summary import participation_gap, summarize
 from pflego.tree import Params
 from pflego.types import ClientData, RoundContext
 
