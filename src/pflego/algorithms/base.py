@@ -236,7 +236,7 @@ class Algorithm:
         adapted one may, is evaluated whole).
         """
         return (
-            type(self).predict is Algorithm.predict
+            not self._own_predict
             and "body" in self.shared
             and "body" not in self.personal
             and not self.per_client_downlink
@@ -286,13 +286,15 @@ class Algorithm:
     # --- helpers shared by the weight-averaging methods -----------------------------------------
 
     # A subclass that writes its own ``loss`` / ``head_loss`` declares no objective: its steps
-    # differentiate that function.
-    _own_loss = _own_head_loss = False
+    # differentiate that function. One that writes its own ``predict`` may not read the shared
+    # body's features (``features_from_downlink``).
+    _own_loss = _own_head_loss = _own_predict = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._own_loss = cls._own_loss or "loss" in vars(cls)
         cls._own_head_loss = cls._own_head_loss or "head_loss" in vars(cls)
+        cls._own_predict = cls._own_predict or "predict" in vars(cls)
 
     def loss(
         self, params: Params, x: Tensor, y: Tensor, mask: Tensor, label_mask: Tensor
