@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+import numpy as np
+import torch
 from torch import Tensor
 
 from pflego.tree import Params
@@ -147,3 +150,18 @@ class Downlink:
         if not self.per_client:
             return self.payload
         return {k: v[position] for k, v in self.payload.items()}
+
+    def select(self, positions: Sequence[int] | np.ndarray) -> Downlink:
+        """The downlink of the clients at ``positions`` among those asked for, in that order."""
+        if not self.per_client:
+            return self
+        index = torch.as_tensor(np.asarray(positions, dtype=np.int64))
+        return Downlink({k: v[index.to(v.device)] for k, v in self.payload.items()}, True)
+
+    def sent_to(self, count: int) -> Downlink:
+        """This downlink's payload, one client's (as a newcomer receives it), sent to ``count``
+        clients: stacked for each of them when the algorithm sends per client (a view, no
+        copy), shared as it is otherwise."""
+        if not self.per_client:
+            return self
+        return Downlink({k: v.expand(count, *v.shape) for k, v in self.payload.items()}, True)

@@ -159,12 +159,13 @@ def measure_costs(experiment) -> dict[str, float]:
     sim = Simulation(experiment, None)
     t = next((t for t in range(experiment.config.rounds) if len(sim.cohort(t))), 0)
     ctx, cohort = sim.context(t), sim.cohort(t)  # round 0, or the first non-empty Bernoulli draw
-    downlink = sim.downlink(ctx, cohort)
+    sent = sim.algorithm.send(sim.server, ctx, torch.as_tensor(cohort))
+    downlink = sent.payload
     states, inputs = sim.states(cohort, downlink, ctx), sim.round_inputs(t, cohort)
     with FlopCounterMode(display=False) as counter:  # the loop backend: no padding, and every
         out, _ = loop_backend(sim.algorithm, downlink, states, inputs, ctx)  # step through autograd
     n = max(1, len(cohort))
-    down = _bytes(downlink) / (n if sim.algorithm.per_client_downlink else 1)
+    down = _bytes(downlink) / (n if sent.per_client else 1)
     up = _bytes(out.upload) / n
     r = ctx.cohort_size
     return {

@@ -129,9 +129,7 @@ class ClientNode:
             personalization = Personalization(
                 "adapt", lambda ids: stacked, ctx, lambda ids: [inputs]
             )
-        one = downlink
-        if self.algorithm.per_client_downlink:
-            one = {k: v.unsqueeze(0) for k, v in downlink.items()}
+        one = self.algorithm.received(downlink).sent_to(1)  # this client's, as one of one
         _, rows = evaluate(
             self.algorithm, one, lambda _: state, self.data, self.dtype, personalization
         )

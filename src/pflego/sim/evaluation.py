@@ -18,8 +18,7 @@ from pflego.sim.clients import ClientPool, Cohort
 from pflego.sim.guards import deferred_interrupts
 from pflego.sim.metrics import Personalization, client_rows
 from pflego.sim.summary import participation_gap, summarize
-from pflego.tree import Params
-from pflego.types import ClientData, RoundContext
+from pflego.types import ClientData, Downlink, RoundContext
 
 
 class Evaluation:
@@ -143,10 +142,12 @@ class Evaluation:
                 for split, pool in self.pools.items()
             }
             order = clients
-        shared = None if self.algorithm.per_client_downlink else self.downlink(ctx, clients, True)
+        first = self.algorithm.send(self.server, ctx, torch.as_tensor(clients[:1]), True)
 
-        def downlink_for(ids: np.ndarray) -> Params:
-            return shared if shared is not None else self.downlink(ctx, clients[ids], True)
+        def downlink_for(ids: np.ndarray) -> Downlink:
+            if not first.per_client:
+                return first
+            return self.algorithm.send(self.server, ctx, torch.as_tensor(clients[ids]), True)
 
         rows = client_rows(  # moves the states to the device chunk by chunk
             self.algorithm,
@@ -172,12 +173,8 @@ class Evaluation:
         mine = self.owned(np.arange(offset, offset + count)) - offset
         payload = self.algorithm.evaluation_downlink(self.server, ctx)
         host = tree.to(payload, "cpu")
-        if self.algorithm.per_client_downlink:  # the same newcomer's payload for every client
-            downlink_for = lambda ids: {  # noqa: E731
-                k: v.expand(len(ids), *v.shape) for k, v in payload.items()
-            }
-        else:
-            downlink_for = lambda ids: payload  # noqa: E731
+        newcomer = self.algorithm.received(payload)
+        downlink_for = lambda ids: newcomer.sent_to(len(ids))  # noqa: E731
 
         def own_rows() -> list[dict]:
             if not len(mine):

@@ -34,7 +34,7 @@ from pflego.sim.clients import ClientPool, SharedFeatures
 from pflego.sim.generated import generated_pools
 from pflego.sim.summary import summarize
 from pflego.tree import Params
-from pflego.types import ClientData, ClientState, RoundContext
+from pflego.types import ClientData, ClientState, Downlink, RoundContext
 
 #: Bytes an evaluation chunk's inputs and activations may take: large products, yet each
 #: intermediate small enough to be served from freed heap memory rather than fresh pages.
@@ -46,7 +46,8 @@ LOOP_ROWS = 64
 #: The key of the downlink model's logits among the shared computations of an evaluation.
 LOGITS = "logits of the downlink's model"
 
-DownlinkFor = Callable[[np.ndarray], Params]
+#: The downlink of given client ids (a :class:`~pflego.types.Downlink`, or its payload).
+DownlinkFor = Callable[[np.ndarray], Downlink | Params]
 AdaptInputs = Callable[[np.ndarray], ClientData]
 AdaptClients = Callable[[np.ndarray], list[ClientData]]
 Metrics = tuple[Tensor, Tensor]
@@ -80,15 +81,14 @@ class Personalization:
 @dataclass
 class Chunk:
     """Clients evaluated together: their positions among the evaluated clients (``group``),
-    ids (and as a tensor), downlink (``per_client``: stacked, one a client), and states before
+    ids (and as a tensor), downlink (shared, or one a client), and states before
     and after personalization (one dict a client when evaluated :func:`one_by_one`, else
     stacked); ``features``: the shared body's features of their rows, by split, once computed."""
 
     group: np.ndarray
     ids: np.ndarray
     index: Tensor
-    downlink: Params
-    per_client: bool
+    downlink: Downlink
     before: ClientState | list[ClientState]
     after: ClientState | list[ClientState]
     one_by_one: bool
@@ -103,9 +103,15 @@ class Chunk:
         states = self.states(view)
         return list(states[0] if self.one_by_one else states)
 
-    def downlink_of(self, j: int) -> Params:
-        """The downlink of the chunk's ``j``-th client."""
-        return {k: v[j] for k, v in self.downlink.items()} if self.per_client else self.downlink
+    @property
+    def payload(self) -> Params:
+        """The downlink's payload (shared, or stacked over the chunk's clients)."""
+        return self.downlink.payload
+
+    @property
+    def in_dim(self) -> int | None:
+        """The payload's axis of clients for ``vmap`` (``None``: shared)."""
+        return 0 if self.downlink.per_client else None
 
 
 def one_by_one(device: torch.device, sizes: np.ndarray) -> bool:
@@ -167,7 +173,7 @@ def looped_metrics(
     metrics = []
     for j, (n, first, start) in enumerate(rows):
         x, y = inputs[start : start + n], pool.y[first : first + n]
-        downlink = chunk.downlink_of(j)
+        downlink = chunk.downlink.of(j)
         metrics.append(_client_metrics(predict, downlink, states[j], x, y, ones[:n], lmask[j]))
     return torch.stack([m[0] for m in metrics]), torch.stack([m[1] for m in metrics])
 
@@ -181,7 +187,7 @@ def personalized(
     own_rows = personalization.clients(chunk.ids)
     with torch.enable_grad(), fused_steps(personalization.fused):
         return [
-            tree.detach(method(chunk.downlink_of(j), state, own_rows[j], ctx))
+            tree.detach(method(chunk.downlink.of(j), state, own_rows[j], ctx))
             for j, state in enumerate(chunk.before)
         ]
 
@@ -271,13 +277,11 @@ class Evaluator:
         self.algorithm, self.pools, self.clients = algorithm, pools, clients
         self.personalization = personalization
         self.device, self.dtype = first.device, first.x.dtype
-        self.per_client = algorithm.per_client_downlink
-        self.downlink_dim = 0 if self.per_client else None  # for vmap: stacked, or shared
         self.views = {"": algorithm.predict}
         if personalization is not None and personalization.method == "adapt":
             self.views["before_adapt"] = algorithm.predict
         self.views |= {n: getattr(algorithm, f"predict_{n}") for n in algorithm.predictions}
-        self.once = set() if self.per_client else set(algorithm.downlink_predictions)
+        self.once: set[str] = set()  # downlink-only views of a shared downlink (first chunk)
         model = algorithm.model
         # whether a row's logits depend on that row alone (no batch norm by the batch's
         # statistics), so that a model shared by every client may run over slices of the pool
@@ -306,8 +310,9 @@ class Evaluator:
         sizes = np.max([p.sizes[self.clients] for p in pools], axis=0)
         return sizes, batch_rows, size_groups(sizes, per_sample * element, budget, chunk_size)
 
-    def choose(self, view: str, keys: list[str]) -> tuple[Strategy, Strategy]:
-        """The strategy of ``view`` for states with ``keys`` (vectorized, and one by one).
+    def choose(self, view: str, chunk: Chunk) -> tuple[Strategy, Strategy]:
+        """The strategy of ``view`` for the chunk's downlink and states (vectorized, and one by
+        one).
 
         Pooled logits for a downlink-only prediction of a shared downlink, for the personalized
         model with an empty state (a shared downlink, a body without batch norm by batch
@@ -315,11 +320,11 @@ class Evaluator:
         with neither head nor body in the state; the heads on shared features where the body
         is shared and the state holds none of it; whole models otherwise.
         """
-        algorithm = self.algorithm
+        algorithm, keys, shared = self.algorithm, chunk.keys(view), not chunk.downlink.per_client
         personal = view in ("", "before_adapt")
         heads = personal and algorithm.features_from_downlink and not _has(keys, "body.")
         downlink_head = heads and type(algorithm).predict_head is Algorithm.predict_head
-        empty = personal and not keys and self.rowwise and not self.per_client
+        empty = personal and not keys and self.rowwise and shared
         if view in self.once or empty or (downlink_head and not _has(keys, "head.")):
             return Evaluator.pooled_logits, Evaluator.pooled_logits
         if heads:
@@ -331,8 +336,10 @@ class Evaluator:
         columns: dict[str, np.ndarray] = {}
         for group in self.groups:
             chunk = self.chunk(group, downlink_for, states)
-            if not self.choices:  # every chunk's states have the same keys
-                self.choices = {view: self.choose(view, chunk.keys(view)) for view in self.views}
+            if not self.choices:  # every chunk's downlink and states have the same form
+                if not chunk.downlink.per_client:
+                    self.once = set(self.algorithm.downlink_predictions)
+                self.choices = {view: self.choose(view, chunk) for view in self.views}
             for split in self.pools:
                 for view in self.views:
                     loss, acc = self.choices[view][chunk.one_by_one](self, chunk, split, view)
@@ -356,17 +363,19 @@ class Evaluator:
                 k: v[torch.as_tensor(group, device=v.device)].to(device) for k, v in states.items()
             }
         index = torch.as_tensor(ids, device=device)
-        chunk = Chunk(group, ids, index, downlink_for(ids), self.per_client, own, own, looped)
+        sent = downlink_for(ids)
+        downlink = sent if isinstance(sent, Downlink) else self.algorithm.received(sent)
+        chunk = Chunk(group, ids, index, downlink, own, own, looped)
         how = self.personalization
         if how is not None and looped:
             chunk.after = personalized(self.algorithm, how, chunk)
         elif how is not None:
-            method, dims = getattr(self.algorithm, how.method), (self.downlink_dim, 0, 0)
+            method, dims = getattr(self.algorithm, how.method), (chunk.in_dim, 0, 0)
             adapt = vmap(
                 lambda d, s, data: method(d, s, data, how.ctx), dims, randomness="different"
             )
             with torch.enable_grad():
-                chunk.after = tree.detach(adapt(chunk.downlink, own, how.inputs(ids)))
+                chunk.after = tree.detach(adapt(chunk.payload, own, how.inputs(ids)))
         return chunk
 
     def labels(self, chunk: Chunk, split: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -394,23 +403,23 @@ class Evaluator:
         """The shared body's features of the chunk's rows on ``split`` (``form``: ``flat`` or
         ``padded``, see :class:`~pflego.sim.clients.SharedFeatures`), computed once a chunk."""
         if split not in chunk.features:
-            shared = self.shared(split, "", chunk.downlink)
+            shared = self.shared(split, "", chunk.payload)
             chunk.features[split] = getattr(shared, form)(chunk.ids)
         return chunk.features[split]
 
     def pooled_logits(self, chunk: Chunk, split: str, view: str) -> Metrics:
         """Strategy: the logits of the downlink's model (or of a downlink-only prediction),
         computed once over the pool, read for the chunk's clients."""
-        shared = self.shared(split, view if view in self.once else LOGITS, chunk.downlink)
+        shared = self.shared(split, view if view in self.once else LOGITS, chunk.payload)
         return logit_metrics(shared.padded(chunk.ids), *self.labels(chunk, split))
 
     def vmapped_models(self, chunk: Chunk, split: str, view: str) -> Metrics:
         """Strategy: the chunk's whole models vmapped over its padded rows."""
-        pool, dims = self.pools[split], (self.downlink_dim, 0, 0, 0, 0, 0)
+        pool, dims = self.pools[split], (chunk.in_dim, 0, 0, 0, 0, 0)
         metrics = vmap(partial(_client_metrics, self.views[view]), dims, randomness="different")
         x, y, mask = pool.padded(chunk.ids)
         lmask = pool.label_masks[chunk.index]
-        return metrics(chunk.downlink, chunk.states(view), x, y, mask, lmask)
+        return metrics(chunk.payload, chunk.states(view), x, y, mask, lmask)
 
     def client_by_client(self, chunk: Chunk, split: str, view: str) -> Metrics:
         """Strategy: each client's whole model on its own rows of the pool, one after another."""
@@ -423,7 +432,7 @@ class Evaluator:
         """Strategy: the chunk's heads vmapped over the shared body's padded features."""
         metrics = vmap(partial(_client_metrics, self.algorithm.predict_head), (None, 0, 0, 0, 0, 0))
         features = self.features(chunk, split, "padded")
-        return metrics(chunk.downlink, chunk.states(view), features, *self.labels(chunk, split))
+        return metrics(chunk.payload, chunk.states(view), features, *self.labels(chunk, split))
 
     def heads_client_by_client(self, chunk: Chunk, split: str, view: str) -> Metrics:
         """Strategy: each client's head on its rows of the shared body's features, one after
@@ -452,8 +461,8 @@ def evaluate_clients(
 
     Args:
         algorithm: Supplies ``predict`` (and ``adapt`` / ``join``, ``predict_<name>``).
-        downlink_for: The downlink of given client ids, on the pools' device (a shared payload,
-            or one stacked per client for ``per_client_downlink`` algorithms).
+        downlink_for: The downlink of given client ids, on the pools' device (a
+            :class:`~pflego.types.Downlink`, or the payload the algorithm sends them).
         states: The private states of the evaluated clients, stacked in their order (any
             device): ``[len(clients), ...]``, or ``[I, ...]`` when ``clients`` is ``None``.
         pools: The splits to evaluate on (``train``, ``test``, optionally ``val``).
@@ -474,7 +483,7 @@ def evaluate_clients(
 @torch.no_grad()
 def client_rows(
     algorithm: Algorithm,
-    downlink_for: DownlinkFor | Params,
+    downlink_for: DownlinkFor | Downlink | Params,
     states: ClientState,
     pools: dict[str, ClientPool],
     personalization: Personalization | None = None,
@@ -485,9 +494,9 @@ def client_rows(
     """One row per evaluated client: its id, sample counts and metrics (see
     :func:`evaluate_clients`). ``counts`` replaces a pool's own sizes in the ``n_<split>``
     columns (a training split evaluated on a subsample still weighs clients by N_i)."""
-    if isinstance(downlink_for, dict):
-        shared = downlink_for
-        downlink_for = lambda ids: shared  # noqa: E731
+    if not callable(downlink_for):  # one downlink for every client
+        sent = downlink_for
+        downlink_for = lambda ids: sent  # noqa: E731
     ids = np.arange(len(pools["train"].sizes)) if clients is None else np.asarray(clients)
     values = evaluate_clients(
         algorithm, downlink_for, states, pools, personalization, chunk_size, ids
@@ -505,7 +514,7 @@ def client_rows(
 
 def evaluate_pools(
     algorithm: Algorithm,
-    downlink_for: DownlinkFor | Params,
+    downlink_for: DownlinkFor | Downlink | Params,
     states: ClientState,
     pools: dict[str, ClientPool],
     personalization: Personalization | None = None,
@@ -514,7 +523,7 @@ def evaluate_pools(
 ) -> tuple[dict[str, float], list[dict[str, float]]]:
     """Evaluate every client's personalized model on each of its splits.
 
-    ``downlink_for`` may be a shared downlink (a parameter dict) or a function of client ids.
+    ``downlink_for`` may be one downlink for every client (shared) or a function of client ids.
 
     Returns:
         Summary metrics (see :func:`summarize`) and one row per client.
@@ -527,7 +536,7 @@ def evaluate_pools(
 
 def evaluate(
     algorithm: Algorithm,
-    downlink: Params,
+    downlink: Downlink | Params,
     client_state: Callable[[int], ClientState],
     data: FederatedData,
     dtype: torch.dtype,
@@ -535,18 +544,14 @@ def evaluate(
 ) -> tuple[dict[str, float], list[dict[str, float]]]:
     """Evaluate from a per-client state function (convenience form of :func:`evaluate_pools`).
 
-    ``downlink`` is shared, or stacked per client for ``per_client_downlink`` algorithms.
+    ``downlink``: every client's (the payload the algorithm sends all of them, or its
+    :class:`~pflego.types.Downlink`).
     """
     states = tree.stack(client_state(i) for i in range(data.num_clients))
-    device = next(iter(downlink.values())).device
+    sent = downlink if isinstance(downlink, Downlink) else algorithm.received(downlink)
+    device = next(iter(sent.payload.values())).device
     pools = build_pools(data, algorithm.label_space, dtype, device)
-
-    def downlink_for(ids: np.ndarray) -> Params:
-        if not algorithm.per_client_downlink:
-            return downlink
-        return {k: v[torch.as_tensor(ids)] for k, v in downlink.items()}
-
-    return evaluate_pools(algorithm, downlink_for, states, pools, personalization)
+    return evaluate_pools(algorithm, sent.select, states, pools, personalization)
 
 
 def build_pools(
