@@ -48,8 +48,7 @@ def one_client_update(
 ) -> tuple[ClientOut, ClientState]:
     """``client_update`` of the cohort's client ``c`` on its unpadded data."""
     state = {k: v[c] for k, v in states.items()}
-    own = {k: v[c] for k, v in downlink.items()} if algorithm.per_client_downlink else downlink
-    return algorithm.client_update(own, state, cohort.client(c), ctx)
+    return algorithm.client_update(algorithm.received(downlink).of(c), state, cohort.client(c), ctx)
 
 
 def loop_backend(
@@ -122,8 +121,8 @@ def _in_threads(fn: Callable[[int], object], count: int, workers: int) -> list:
 class VmapBackend:
     """The cohort's ``client_update`` as one ``torch.func.vmap`` call over the padded cohort.
 
-    The downlink is shared (``in_dims=None``) or, for ``per_client_downlink`` algorithms, mapped
-    like the states and data over their leading axis.
+    The downlink is shared (``in_dims=None``) or, where the algorithm sends one per client
+    (:class:`~pflego.types.Downlink`), mapped like the states and data over their leading axis.
     Padding samples carry a zero mask and padding steps come first with an all-zero batch mask,
     so every client computes exactly what it computes alone. A large cohort of clients of very
     different sizes runs as a few vmap calls over clients of similar sizes (:func:`size_buckets`),
@@ -146,7 +145,8 @@ class VmapBackend:
         def update(dl, state, data):
             return algorithm.client_update(dl, state, data, ctx)
 
-        downlink_dim = 0 if algorithm.per_client_downlink else None
+        sent = algorithm.received(downlink)
+        downlink_dim = 0 if sent.per_client else None
         batched = vmap(
             update,
             in_dims=(downlink_dim, 0, 0),
@@ -160,7 +160,7 @@ class VmapBackend:
         parts = []
         for bucket in buckets:
             index = torch.as_tensor(bucket, device=cohort.pool.device)
-            own = {k: v[index] for k, v in downlink.items()} if downlink_dim == 0 else downlink
+            own = sent.select(bucket).payload
             picked = {k: v[index.to(v.device)] for k, v in states.items()}
             parts.append(batched(own, picked, cohort.subset(bucket).data))
         order = torch.as_tensor(np.argsort(np.concatenate(buckets)), device=cohort.pool.device)
