@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from test_fast_sim import assert_trees_close, ragged_experiment
+from test_fast_sim import SIZES, assert_trees_close, ragged_experiment
 
 from pflego.algorithms import ALGORITHMS
 from pflego.algorithms.fedavg import FedAvg
-from pflego.sim import Simulation
+from pflego.sim import Simulation, metrics
 from pflego.sim.backends import VmapBackend, make_backend, resolve_backend
 from pflego.sim.backends_auto import candidates
 from pflego.sim.backends_graph import (
@@ -202,3 +202,28 @@ def test_a_cuda_graph_is_captured_once_per_shape_and_replayed() -> None:
         sim.run_round(t)
         captured.append(len(executor.graphs))
     assert executor.fallbacks == {} and captured[-1] < 6  # some rounds replayed a graph
+
+
+def test_evaluation_reads_its_columns_back_in_one_transfer(monkeypatch) -> None:
+    """Every chunk, split and view stays on the device until one copy to the host at the end."""
+    sim = Simulation(ragged_experiment("fedper"), None)
+    ctx = sim.context(0)
+    ids = np.arange(len(SIZES))
+    downlink = sim.downlink(ctx, ids, True)
+    states = sim.states(ids, downlink, ctx)
+    copies, cpu = [], torch.Tensor.cpu
+
+    def counted(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        copies.append(tensor.shape)
+        return cpu(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counted)
+    columns = metrics.evaluate_clients(
+        sim.algorithm, lambda ids: downlink, states, sim.pools, chunk_size=2
+    )
+    monkeypatch.undo()
+    assert len(copies) == 1 and len(columns) == 2 * len(sim.pools)
+    whole = metrics.evaluate_clients(sim.algorithm, lambda ids: downlink, states, sim.pools)
+    assert whole.keys() == columns.keys()
+    for name, column in columns.items():  # three chunks or one: the same columns
+        np.testing.assert_allclose(column, whole[name], rtol=1e-12, equal_nan=True)

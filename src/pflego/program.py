@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -92,10 +92,11 @@ def active_steps(data: ClientData, steps: Sequence[Step]) -> Tensor:
     return real[step_rows(rows, real.device).reshape(len(steps), width)].all(-1)
 
 
-@lru_cache(maxsize=64)
+@cache
 def step_rows(rows: tuple[tuple[int, ...], ...], device: torch.device) -> Tensor:
     """The schedule rows of a program's steps as an index on ``device``, made once per program
-    and device: an upload to a GPU is made before a CUDA graph's capture, never inside it."""
+    and device: an upload to a GPU is made before a CUDA graph's capture, never inside it (and
+    never freed, since a captured graph may read it)."""
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
