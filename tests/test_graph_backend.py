@@ -73,6 +73,8 @@ def test_graph_equals_loop(name: str) -> None:
     assert graph[0].backend_name == "graph" and isinstance(graph[0].executor, VmapBackend)
     executor = graph[0].executor.graphs
     assert executor.fallbacks == {} and executor.checked == {name}
+    graph[0].backend = graph[0].executor
+    assert "graph_fallbacks" not in graph[0].profile_summary()
     assert {len(clients) for clients in map(graph[0].cohort, range(2))} == {5}  # 6 with padding
     assert_same_rounds(two_rounds(name, "loop", **RAGGED), graph)
 
@@ -90,6 +92,8 @@ def test_graph_equals_loop_full_batch(name: str) -> None:
 def test_methods_the_executor_cannot_capture_run_as_vmap(name: str) -> None:
     graph = two_rounds(name, "graph", **RAGGED)
     assert graph[0].executor.graphs.fallbacks == {name: FALLS_BACK[name]}
+    graph[0].backend = graph[0].executor  # as the run holds it (the test's recorder aside)
+    assert graph[0].profile_summary()["graph_fallbacks"] == {name: FALLS_BACK[name]}
     assert_same_rounds(two_rounds(name, "loop", **RAGGED), graph)
 
 
