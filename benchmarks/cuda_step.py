@@ -1,6 +1,6 @@
 """What one client's training step can reach on a GPU: eager, channels-last, TF32, a CUDA graph of
 the whole step, and ``torch.compile``, for the CNNs of the GPU run-book; and pflego's own round
-of client updates through the loop and vmap backends, and the vmap call as a CUDA graph.
+of client updates through the loop, vmap and graph backends, and the vmap call captured by hand.
 
 Each step variant trains a fresh copy of the same model (body + linear head, cross-entropy, plain
 SGD) on a fixed batch: ``--warmup`` steps untimed, then ``--steps`` steps timed by CUDA events. The
@@ -162,7 +162,8 @@ def round_rows(
 ) -> Iterator[tuple[str, float, str]]:
     """(variant, milliseconds, note) of one round's client updates in pflego itself: ``clients``
     clients of the built-in mnist5k, all in the cohort, one local epoch of batch ``batch``,
-    through the loop and vmap backends, and (on a GPU) the vmap call captured as a CUDA graph.
+    through the loop, vmap and graph backends (the library's CUDA graphs on a GPU, static shapes
+    run eagerly on a CPU), and (on a GPU) the vmap call captured as a CUDA graph by hand.
     The same round's inputs are trained again at every call: only its speed is measured."""
     settings = {
         "dataset": "mnist5k",
@@ -187,9 +188,13 @@ def round_rows(
         run = make_backend(backend, sim.algorithm)
         return lambda: run(sim.algorithm, downlink, states, inputs, ctx)
 
-    variants = [("loop", lambda: eager("loop")), ("vmap", lambda: eager("vmap"))]
+    variants = [
+        ("loop", lambda: eager("loop")),
+        ("vmap", lambda: eager("vmap")),
+        ("graph backend", lambda: eager("graph")),
+    ]
     if device != "cpu":
-        variants.append(("vmap as a CUDA graph", lambda: graphed(eager("vmap"))))
+        variants.append(("vmap as a CUDA graph (by hand)", lambda: graphed(eager("vmap"))))
     for label, build in variants:
         try:
             began = time.perf_counter()

@@ -3,7 +3,7 @@
 # test to run first on any new GPU machine.
 #
 # Usage (from the repository root, pflego installed or PYTHONPATH=src):
-#   bash benchmarks/gpu_runbook.sh --smoke [DEVICE]    CUDA == CPU tests, the speed benches, every algorithm 2 rounds
+#   bash benchmarks/gpu_runbook.sh --smoke [DEVICE]    CUDA == CPU tests, the round targets, the speed benches, every algorithm 2 rounds
 #   bash benchmarks/gpu_runbook.sh --list              the run-book: preset, blocks, hours
 #   bash benchmarks/gpu_runbook.sh --dry-run [DEVICE]  print the run-book's commands, run nothing
 #   bash benchmarks/gpu_runbook.sh [DEVICE]            run the run-book, in priority order
@@ -129,6 +129,15 @@ part() { # part LIMIT LABEL COMMAND...: one smoke part, within LIMIT seconds and
   fi
 }
 
+targets() { # targets DIR: the measured targets of issue 37, last (what the smoke test is for)
+  local files=("$1"/targets-round.md "$1"/bench-against-*.md) file
+  for file in "${files[@]}"; do
+    [[ -f $file ]] || continue
+    echo "== targets: $file"
+    grep -E '^(\||##|Targets)' "$file" || true
+  done
+}
+
 smoke() {
   local device=$1 cnn_dataset smoke_out="$OUT/smoke"
   SMOKE_START=$(date +%s)
@@ -142,30 +151,40 @@ smoke() {
     if [[ -f tests/test_fast_sim.py ]] && "$PY" -c "import pytest" 2>/dev/null; then
       local workers=()
       if "$PY" -c "import xdist" 2>/dev/null; then workers=(-n 8); fi
-      part 120 "every algorithm, CUDA == CPU" "$PY" -m pytest -p no:cacheprovider -rs \
-        tests/test_fast_sim.py -k cuda "${workers[@]}"
+      part 120 "every algorithm, CUDA == CPU; graph replays == eager" "$PY" -m pytest \
+        -p no:cacheprovider -rs tests/test_fast_sim.py tests/test_graph_backend.py -k cuda \
+        "${workers[@]}"
     else
       echo "== every algorithm, CUDA == CPU: skipped (needs pytest and a source checkout)"
       SMOKE_FAILED+=("every algorithm, CUDA == CPU (skipped: needs pytest and a source checkout)")
     fi
-    # 1. pflego against the conventional loop on the device, with % of its matmul peak (issue
-    # 26's GPU target is the CNN FedAvg round): one model per call, so that a model that runs
-    # out of time leaves the other's table; each row is printed as it finishes. Three such calls
-    # of 100 s each did not finish on an H200 (results/gpu-h200): one timed round per row.
-    local model limit
+    # 1. Issue 37's round targets: pgfed-cifar10 block 25 (FedAvg <= 0.5 s a round at >= 10% of
+    # the fp32 peak, PGFed <= 0.8 s, the block <= 30 min), the graph backend against vmap.
+    local round_data=()
+    if [[ ! -d $DATA/cifar-10-batches-py ]]; then # the same setting on mnist5k, smaller
+      round_data=(--set dataset=mnist5k)
+    fi
+    part 200 "round targets, graph vs vmap on $device" "$PY" benchmarks/graph_round.py \
+      --data-dir "$DATA" --device "$device" --rounds 1 "${round_data[@]}" \
+      --out "$smoke_out/targets-round.md"
+    # 2. pflego (auto: the graph backend on CUDA) against the conventional loop on the device,
+    # with % of its matmul peak (issue 37: CNN training >= 20x, evaluation >= 10x): one model per
+    # call, so that a model that runs out of time leaves the other's table; each row is printed
+    # as it finishes. Three such calls of 100 s each did not finish on an H200 (results/gpu-h200).
+    local model limit algorithms
     for model in pgfed-cnn mlp; do
-      limit=180
-      [[ $model == pgfed-cnn ]] && limit=240
+      limit=120 algorithms=(fedavg)
+      [[ $model == pgfed-cnn ]] && limit=180 algorithms=(fedavg pgfed)
       part "$limit" "pflego bench --against conventional, $model on $device" "$PY" -m pflego \
         bench --against conventional --device "$device" --data-dir "$DATA" --models "$model" \
-        --algorithms fedavg pgfed pfedme --against-rounds 2 --out "$smoke_out/bench-against-$model.md"
+        --algorithms "${algorithms[@]}" --against-rounds 2 --out "$smoke_out/bench-against-$model.md"
     done
-    # 2. What one client's CNN step reaches there (eager, TF32, channels-last, a CUDA graph,
+    # 3. What one client's CNN step reaches there (eager, TF32, channels-last, a CUDA graph,
     # torch.compile), and whether pflego's own vmap round can be captured as a CUDA graph.
     part 150 "one CNN step and a pflego round, eager vs CUDA graph" "$PY" benchmarks/cuda_step.py \
       --models pgfed-cnn mobilenet-v2
   fi
-  # 3. The CNN bench: client training speed of the PGFed CNN, FedAvg vs PGFed (Table 7's setting
+  # 4. The CNN bench: client training speed of the PGFed CNN, FedAvg vs PGFed (Table 7's setting
   # on CIFAR-10 where its files are present, else on the built-in mnist5k).
   cnn_dataset=mnist5k
   if [[ -d $DATA/cifar-10-batches-py && ${RUNBOOK_SMOKE_TINY:-0} != 1 ]]; then
@@ -178,11 +197,11 @@ smoke() {
     bench+=(--clients 50 --local-epochs 1 --methods fedavg,pgfed,pgfedmo,pgfed-ce)
   fi
   part 90 "CNN bench on $device ($cnn_dataset)" "$PY" benchmarks/pgfed_speed.py "${bench[@]}"
-  # 4. Every registered algorithm (the leaderboard holds them all), 2 rounds, on the device.
+  # 5. Every registered algorithm (the leaderboard holds them all), 2 rounds, on the device.
   part 240 "every algorithm, $SMOKE_ROUNDS rounds on $device" \
     "$PY" -m pflego reproduce leaderboard-mnist --quick --offline --rounds "$SMOKE_ROUNDS" \
     --set device="$device" --out "$smoke_out/leaderboard" --quiet
-  # 5. On a GPU: each run-book preset's --quick version, where its data is present, so that
+  # 6. On a GPU: each run-book preset's --quick version, where its data is present, so that
   # every model and command of the run-book has run once on the device before hours are spent.
   if [[ ${RUNBOOK_SMOKE_TINY:-0} != 1 ]]; then
     local entry preset shorter extra
@@ -201,6 +220,7 @@ smoke() {
         --out "$smoke_out/$preset" --quiet
     done
   fi
+  targets "$smoke_out"
   local took=$(($(date +%s) - SMOKE_START))
   if ((${#SMOKE_FAILED[@]} > 0)); then
     echo "smoke test FAILED on $device in $took s: $(IFS=';'; echo "${SMOKE_FAILED[*]}"); results in $smoke_out"

@@ -96,7 +96,7 @@ def test_prediction_charges_vmap_for_padding_to_the_longest_schedule() -> None:
     short = truncated(cohort, 2, padded=True)
     assert set(short.steps) <= {1, 2} and (short.run[0][0] == cohort.run[0][0][-2:]).all()
     assert short.data.x is cohort.data.x and short.data.batches.shape[1] == 2
-    assert candidates(sim.algorithm, torch.device("cuda")) == ["vmap", "loop"]
+    assert candidates(sim.algorithm, torch.device("cuda")) == ["graph", "vmap", "loop"]
     assert candidates(sim.algorithm, torch.device("cpu")) == ["fused", "vmap"]
 
 

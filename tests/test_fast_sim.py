@@ -151,7 +151,7 @@ def test_auto_is_default_and_unvmappable_algorithms_never_run_under_vmap(monkeyp
     assert Simulation(exp, None).backend_name == "vmap"  # clients this small train faster batched
     monkeypatch.setattr(rounds, "FUSED_MIN_SAMPLES", 1)
     assert Simulation(exp, None).backend_name == "fused"  # its SGD steps fuse on CPU
-    assert resolve_backend("auto", "cuda", lambda: True) == "vmap"
+    assert resolve_backend("auto", "cuda", lambda: True) == "graph"  # CUDA graphs there
     assert resolve_backend("loop", "cpu", lambda: True) == "loop"
     momentum = ragged_experiment("fedavg", client_optimizer="momentum")
     assert Simulation(momentum, None).backend_name == "vmap"  # autograd steps: vmap them

@@ -33,7 +33,7 @@ from pflego.fields import (
 
 SAMPLING = ("fixed", "bernoulli", "uniform-count")
 LABELS = ("global", "local")
-BACKENDS = ("auto", "vmap", "fused", "loop")
+BACKENDS = ("auto", "vmap", "graph", "fused", "loop")
 DTYPES = ("float32", "float64")
 #: Experiment trackers of the ``log`` setting -> the module each needs (its extra has its name).
 TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
@@ -174,8 +174,8 @@ class Config:
     )
     backend: str = setting(
         "auto",
-        "how clients train: vmap (vectorized), fused (hand-derived steps), loop, "
-        "or auto (the fastest that fits)",
+        "how clients train: vmap (vectorized), graph (vmap over static shapes, replayed as "
+        "CUDA graphs on a GPU), fused (hand-derived steps), loop, or auto (the fastest that fits)",
         one_of(*BACKENDS),
     )
     chunk_size: int | None = setting(

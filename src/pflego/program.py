@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -87,9 +88,16 @@ def active_steps(data: ClientData, steps: Sequence[Step]) -> Tensor:
     """``[S]`` booleans: whether each step runs (its row and its gate rows hold samples)."""
     real = data.batch_mask.sum(-1) > 0
     width = 1 + max((len(s.gate) for s in steps), default=0)
-    rows = [[s.row, *s.gate, *[s.row] * (width - 1 - len(s.gate))] for s in steps]
-    index = torch.tensor(rows, dtype=torch.long, device=real.device).reshape(len(steps), width)
-    return real[index].all(-1)
+    rows = tuple((s.row, *s.gate, *[s.row] * (width - 1 - len(s.gate))) for s in steps)
+    return real[step_rows(rows, real.device).reshape(len(steps), width)].all(-1)
+
+
+@cache
+def step_rows(rows: tuple[tuple[int, ...], ...], device: torch.device) -> Tensor:
+    """The schedule rows of a program's steps as an index on ``device``, made once per program
+    and device: an upload to a GPU is made before a CUDA graph's capture, never inside it (and
+    never freed, since a captured graph may read it)."""
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def mixed(start: Params, end: Params, weight: Weight) -> Params:

@@ -6,13 +6,16 @@ cohort's padded round inputs (:class:`~pflego.sim.clients.Cohort`), and returns 
 
 - ``loop``: one client at a time on its unpadded data, autograd everywhere (the reference);
 - ``vmap``: the padded cohort as one ``torch.func.vmap`` call (large batches, GPUs);
+- ``graph``: ``vmap`` over static shapes (cohorts padded to a few sizes), captured once per
+  shape as a CUDA graph and replayed every round on a GPU (:mod:`pflego.sim.backends_graph`);
 - ``fused``: one client at a time on its unpadded data, clients spread over the torch threads,
   and plain SGD on declared losses run as fused steps (:mod:`pflego.fused`): on CPU, each
   client's model stays in its core's cache (vmap streams every client's model through memory at
   every step, and pads ragged clients);
 - ``auto``: ``fused`` on CPU when the algorithm's local steps all fuse (one client's update is
   tried on one sample at the start of the run) and clients hold at least
-  :data:`FUSED_MIN_SAMPLES` training samples on average, ``vmap`` otherwise.
+  :data:`FUSED_MIN_SAMPLES` training samples on average, ``graph`` on CUDA, ``vmap`` otherwise
+  (or measured: :mod:`pflego.sim.backends_auto`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -29,9 +33,10 @@ from torch.func import vmap
 from pflego import tree
 from pflego.algorithms import Algorithm
 from pflego.local import fused_steps
+from pflego.sim.backends_graph import GraphExecutor
 from pflego.sim.clients import Cohort
 from pflego.tree import Params
-from pflego.types import ClientData, ClientOut, ClientState, RoundContext
+from pflego.types import ClientData, ClientOut, ClientState, Downlink, RoundContext
 
 Backend = Callable[
     [Algorithm, Params, ClientState, Cohort, RoundContext], tuple[ClientOut, ClientState]
@@ -128,11 +133,16 @@ class VmapBackend:
     different sizes runs as a few vmap calls over clients of similar sizes (:func:`size_buckets`),
     so little is padded.
 
+    The ``graph`` backend is this one with ``graphs``: each vmap call runs over static shapes
+    and, on CUDA, as a replayed CUDA graph (:mod:`pflego.sim.backends_graph`).
+
     Attributes:
         chunk_size: Clients per vectorized chunk when memory is short (``None``: all at once).
+        graphs: The executor of the ``graph`` backend (``None``: plain vmap calls).
     """
 
     chunk_size: int | None = None
+    graphs: GraphExecutor | None = None
 
     def __call__(
         self,
@@ -142,27 +152,18 @@ class VmapBackend:
         cohort: Cohort,
         ctx: RoundContext,
     ) -> tuple[ClientOut, ClientState]:
-        def update(dl, state, data):
-            return algorithm.client_update(dl, state, data, ctx)
-
         sent = algorithm.received(downlink)
-        downlink_dim = 0 if sent.per_client else None
-        batched = vmap(
-            update,
-            in_dims=(downlink_dim, 0, 0),
-            randomness="different",
-            chunk_size=self.chunk_size,
-        )
         buckets = size_buckets(cohort.sizes)
         if len(buckets) == 1:
-            out, new_states = batched(downlink, states, cohort.data)
+            out, new_states = self.vectorized(algorithm, sent, states, cohort.data, ctx)
             return out, tree.detach(new_states)
         parts = []
         for bucket in buckets:
             index = torch.as_tensor(bucket, device=cohort.pool.device)
-            own = sent.select(bucket).payload
+            own = sent.select(bucket)
             picked = {k: v[index.to(v.device)] for k, v in states.items()}
-            parts.append(batched(own, picked, cohort.subset(bucket).data))
+            data = cohort.subset(bucket).data
+            parts.append(self.vectorized(algorithm, own, picked, data, ctx))
         order = torch.as_tensor(np.argsort(np.concatenate(buckets)), device=cohort.pool.device)
         joined = lambda trees: {k: torch.cat([t[k] for t in trees])[order] for k in trees[0]}  # noqa: E731
         outs = [p[0] for p in parts]
@@ -172,6 +173,37 @@ class VmapBackend:
             joined([o.metrics for o in outs]),
         )
         return out, tree.detach(joined([p[1] for p in parts]))
+
+    def vectorized(
+        self,
+        algorithm: Algorithm,
+        downlink: Downlink,
+        states: ClientState,
+        data: ClientData,
+        ctx: RoundContext,
+    ) -> tuple[ClientOut, ClientState]:
+        """One ``vmap`` call of ``client_update`` over clients of similar sizes."""
+        per_client = downlink.per_client
+        update_for = partial(
+            vmapped_update, algorithm, per_client=per_client, chunk_size=self.chunk_size
+        )
+        inputs = (downlink.payload, states, data)
+        if self.graphs is not None:
+            return self.graphs(algorithm, update_for, inputs, ctx, per_client)
+        return update_for(ctx)(*inputs)
+
+
+def vmapped_update(
+    algorithm: Algorithm, ctx: RoundContext, per_client: bool, chunk_size: int | None = None
+) -> Callable[[Params, ClientState, ClientData], tuple[ClientOut, ClientState]]:
+    """``client_update`` vmapped over stacked states and data (and, ``per_client``, the
+    downlink)."""
+
+    def update(dl: Params, state: ClientState, data: ClientData) -> tuple[ClientOut, ClientState]:
+        return algorithm.client_update(dl, state, data, ctx)
+
+    downlink_dim = 0 if per_client else None
+    return vmap(update, in_dims=(downlink_dim, 0, 0), randomness="different", chunk_size=chunk_size)
 
 
 def size_buckets(sizes: np.ndarray, smallest: int = 64, spread: float = 1.5) -> list[np.ndarray]:
@@ -220,17 +252,24 @@ FUSED_MIN_SAMPLES = 32
 
 
 def resolve_backend(name: str, device: str | torch.device, fusable: Callable[[], bool]) -> str:
-    """The backend ``name`` stands for: ``auto`` is ``fused`` on CPU when ``fusable()`` says the
-    algorithm's local steps all fuse (see :func:`fuses`), and ``vmap`` otherwise."""
+    """The backend ``name`` stands for: ``auto`` is ``graph`` on CUDA, ``fused`` on CPU when
+    ``fusable()`` says the algorithm's local steps all fuse (see :func:`fuses`), and ``vmap``
+    otherwise."""
     if name != "auto":
         return name
-    return "fused" if torch.device(device).type == "cpu" and fusable() else "vmap"
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return "graph"
+    return "fused" if kind == "cpu" and fusable() else "vmap"
 
 
 def make_backend(name: str, algorithm: Algorithm, chunk_size: int | None = None) -> Backend:
     """The named backend; an algorithm that declares itself unvmappable never runs under vmap."""
-    if name == "loop" or (name == "vmap" and not getattr(algorithm, "vmappable", True)):
+    vectorized = name in ("vmap", "graph")
+    if name == "loop" or (vectorized and not getattr(algorithm, "vmappable", True)):
         return loop_backend
+    if name == "graph":  # its own graphs: one executor a run
+        return VmapBackend(chunk_size, GraphExecutor())
     if name == "vmap" and chunk_size is not None:
         return VmapBackend(chunk_size)
     return BACKENDS[name]

@@ -4,11 +4,11 @@ Where the rule of :func:`~pflego.sim.backends.resolve_backend` is sure, on CPU w
 step fused and clients of at least ``FUSED_MIN_SAMPLES`` samples (fused steps beat autograd in any
 backend), ``auto`` is ``fused`` with no probe. Otherwise, on its first call, :class:`AutoBackend`
 times every candidate (``fused`` and ``vmap`` on CPU, where ``fused`` runs the loop's very
-updates, spread over threads; ``vmap`` and ``loop`` elsewhere; an unvmappable algorithm has no
-``vmap``) on that round's real cohort with its local schedules cut to one and then two steps per
+updates, spread over threads; ``graph``, ``vmap`` and ``loop`` on CUDA; ``vmap`` and ``loop``
+elsewhere; an unvmappable algorithm has neither ``vmap`` nor ``graph``) on that round's real cohort with its local schedules cut to one and then two steps per
 client (the better of two tries of each, after an untimed one-step warm-up). The two timings give
 each backend a fixed cost per round and a cost per local step, from which it predicts the whole
-round (``vmap`` pads every client to the cohort's most steps; the others run each client's own).
+round (``vmap`` and ``graph`` pad every client to the cohort's most steps; the others run each client's own).
 The fastest prediction wins, and runs the round; the choice then holds for the run (a checkpoint
 stores it, so a resumed run keeps it).
 
@@ -70,9 +70,13 @@ def probing_enabled() -> bool:
 
 def candidates(algorithm: Algorithm, device: torch.device) -> list[str]:
     """The backends ``auto`` measures for ``algorithm`` on ``device``, in order of preference on
-    a tie (on CPU ``fused`` stands for ``loop`` too: the same updates, over threads)."""
+    a tie (on CPU ``fused`` stands for ``loop`` too: the same updates, over threads; ``graph``
+    only on CUDA, where it replays CUDA graphs)."""
     vmap = ["vmap"] if getattr(algorithm, "vmappable", True) else []
-    return ["fused", *vmap] if device.type == "cpu" else [*vmap, "loop"]
+    if device.type == "cpu":
+        return ["fused", *vmap]
+    graph = ["graph"] if vmap and device.type == "cuda" else []
+    return [*graph, *vmap, "loop"]
 
 
 def truncated(cohort: Cohort, steps: int, padded: bool = False) -> Cohort:
@@ -115,11 +119,12 @@ class untouched_generators:  # noqa: N801  (used as a context manager, like torc
 
 def predicted_round(name: str, one: float, two: float, cohort: Cohort) -> float:
     """A backend's round seconds from its probe timings of one and two steps per client: a
-    fixed cost plus a cost per step, times the cohort's longest schedule for ``vmap`` (it pads
-    every client to it) and its mean one for the others (each client runs its own)."""
+    fixed cost plus a cost per step, times the cohort's longest schedule for ``vmap`` and
+    ``graph`` (they pad every client to it) and its mean one for the others (each client runs
+    its own)."""
     per_step = max(two - one, 0.0)
     steps = cohort.steps
-    length = float(steps.max() if name == "vmap" else steps.mean())
+    length = float(steps.max() if name in ("vmap", "graph") else steps.mean())
     return max(one - per_step, 0.0) + per_step * length
 
 
@@ -185,7 +190,8 @@ class AutoBackend:
         """The candidate of the least predicted round time on this cohort (the first candidate
         when every probe fails: the round itself then reports the error)."""
         start = time.perf_counter()
-        runs = {steps: truncated(cohort, steps, "vmap" in self.names) for steps in PROBE_STEPS}
+        padded = "vmap" in self.names or "graph" in self.names
+        runs = {steps: truncated(cohort, steps, padded) for steps in PROBE_STEPS}
         with untouched_generators():
             for name in self.names:
                 backend = self.build(name)

@@ -1,7 +1,8 @@
 """Evaluation of every client's personalized model: L(psi), accuracy statistics, before/after adapt.
 
 Clients are evaluated in chunks grouped by size (so that a chunk pads little) and sized by the
-memory their activations take (:data:`EVAL_BYTES`): the algorithm's ``adapt`` (or ``join``, for
+memory their activations take (:data:`EVAL_BYTES`; on a GPU :data:`DEVICE_EVAL_BYTES`, so that
+an evaluation is a few large batched calls, read back to the host once): the algorithm's ``adapt`` (or ``join``, for
 clients that never trained) runs first, then ``predict`` and each of the algorithm's extra
 ``predictions`` on every split of a :class:`~pflego.sim.clients.ClientPool` that already lives on
 the device, each by the strategy :class:`Evaluator` chooses for it once a run. Adapted states
@@ -36,9 +37,12 @@ from pflego.sim.summary import summarize
 from pflego.tree import Params
 from pflego.types import ClientData, ClientState, Downlink, RoundContext
 
-#: Bytes an evaluation chunk's inputs and activations may take: large products, yet each
-#: intermediate small enough to be served from freed heap memory rather than fresh pages.
+#: Bytes an evaluation chunk's inputs and activations may take on a CPU: large products, yet
+#: each intermediate small enough to be served from freed heap memory rather than fresh pages.
 EVAL_BYTES = 2**26
+#: The same on a GPU: chunks of many clients, so that an evaluation is a few large batched calls
+#: (at 64 MB a CNN's chunk held about one CIFAR-10 client).
+DEVICE_EVAL_BYTES = 2**30
 SPLITS = ("train", "val", "test")
 #: On a CPU, chunks whose clients hold this many samples on average are evaluated client by
 #: client, reading their rows and states in place (no padded copies).
@@ -271,9 +275,11 @@ class Evaluator:
         clients: np.ndarray,
         personalization: Personalization | None,
         chunk_size: int | None = None,
-        budget: int = EVAL_BYTES,
+        budget: int | None = None,
     ) -> None:
         first = next(iter(pools.values()))
+        if budget is None:
+            budget = EVAL_BYTES if first.device.type == "cpu" else DEVICE_EVAL_BYTES
         self.algorithm, self.pools, self.clients = algorithm, pools, clients
         self.personalization = personalization
         self.device, self.dtype = first.device, first.x.dtype
@@ -332,8 +338,9 @@ class Evaluator:
         return Evaluator.vmapped_models, Evaluator.client_by_client
 
     def columns(self, downlink_for: DownlinkFor, states: ClientState) -> dict[str, np.ndarray]:
-        """Per-client losses and accuracies of every view on every split, chunk by chunk."""
-        columns: dict[str, np.ndarray] = {}
+        """Per-client losses and accuracies of every view on every split, chunk by chunk (on
+        the device, read back in one transfer at the end)."""
+        parts: dict[str, list[Tensor]] = {}
         for group in self.groups:
             chunk = self.chunk(group, downlink_for, states)
             if not self.choices:  # every chunk's downlink and states have the same form
@@ -345,11 +352,8 @@ class Evaluator:
                     loss, acc = self.choices[view][chunk.one_by_one](self, chunk, split, view)
                     suffix = f"_{view}" if view else ""
                     for name, value in ((f"loss{suffix}", loss), (f"acc{suffix}", acc)):
-                        column = columns.setdefault(
-                            f"{split}_{name}", np.full(len(self.clients), np.nan)
-                        )
-                        column[group] = value.double().cpu().numpy()
-        return columns
+                        parts.setdefault(f"{split}_{name}", []).append(value)
+        return host_columns(parts, self.groups, len(self.clients))
 
     def chunk(self, group: np.ndarray, downlink_for: DownlinkFor, states: ClientState) -> Chunk:
         """The clients at ``group``, their states read and personalized (one by one on their
@@ -442,6 +446,24 @@ class Evaluator:
         return looped_metrics(head, chunk, states, features, starts, pool)
 
 
+def host_columns(
+    parts: dict[str, list[Tensor]], groups: list[np.ndarray], count: int
+) -> dict[str, np.ndarray]:
+    """Columns ``[count]`` (float64) from each column's values chunk by chunk (``parts``, of the
+    clients at ``groups``), copied to the host at once: one wait for the device, not one a
+    chunk, split and view."""
+    if not parts:
+        return {}
+    names = list(parts)
+    values = torch.stack([torch.cat([v.double() for v in parts[n]]) for n in names])
+    host, order = values.cpu().numpy(), np.concatenate(groups)
+    columns = {}
+    for name, row in zip(names, host, strict=True):
+        columns[name] = np.full(count, np.nan)
+        columns[name][order] = row
+    return columns
+
+
 def _has(keys: list[str], prefix: str) -> bool:
     return any(k.startswith(prefix) for k in keys)
 
@@ -454,7 +476,7 @@ def evaluate_clients(
     personalization: Personalization | None = None,
     chunk_size: int | None = None,
     clients: np.ndarray | None = None,
-    budget: int = EVAL_BYTES,
+    budget: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Per-client losses and accuracies of every view on every split, chunk by chunk
     (strategies: :class:`Evaluator`).
@@ -469,7 +491,8 @@ def evaluate_clients(
         personalization: Run ``adapt`` or ``join`` first; ``None`` evaluates the states as they are.
         chunk_size: At most this many clients per chunk (default: as many as fit ``budget``).
         clients: Which clients to evaluate (default all), in the order of the returned columns.
-        budget: Bytes a chunk's inputs and activations may take.
+        budget: Bytes a chunk's inputs and activations may take (default:
+            :data:`EVAL_BYTES` on a CPU, :data:`DEVICE_EVAL_BYTES` on another device).
 
     Returns:
         Columns ``[len(clients)]`` (float64) named ``<split>_<loss|acc>[_<view>]``.

@@ -253,11 +253,15 @@ class Simulation(Evaluation):
     def profile_summary(self) -> dict[str, Any]:
         """The profile with the facts that explain it."""
         probe = self.backend.report() if isinstance(self.backend, AutoBackend) else None
+        chosen = self.backend.backend if isinstance(self.backend, AutoBackend) else self.backend
+        graphs = getattr(chosen, "graphs", None)  # the graph backend's methods run as vmap
+        fallbacks = graphs.fallbacks if graphs is not None else {}
         return self.profile.summary(
             rounds=self.next_round,
             evaluations=len(self.records),
             backend=self.backend_name,
             **({"backend_probe": probe} if probe else {}),
+            **({"graph_fallbacks": dict(fallbacks)} if fallbacks else {}),
             threads=torch.get_num_threads(),
             clients=self.exp.data.num_clients,
             evaluated_clients=len(self.eval_ids),
