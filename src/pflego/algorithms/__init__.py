@@ -42,6 +42,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     pgfed,
     pgfed_ce,
     pgfedmo,
+    qffl,
     scaffold,
 )
 from pflego.algorithms.base import ALGORITHMS, Algorithm, build_algorithm, hyperparameters, register
