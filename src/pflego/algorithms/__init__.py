@@ -32,6 +32,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     fedrep,
     fedrod,
     gpfl,
+    ifca,
     knn_per,
     lgfedavg,
     local,
