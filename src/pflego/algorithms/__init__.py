@@ -6,6 +6,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     cfl,
     dfedem,
     ditto,
+    elastic,
     fedadmm,
     fedala,
     fedamp,
