@@ -1,7 +1,7 @@
 """Elastic Aggregation: FedAvg whose server step is scaled per parameter by its sensitivity.
 
-Chen, Hu, Tan, Wei, Wu. "Elastic Aggregation for Federated Optimization". CVPR 2023 (no arXiv
-version).
+Chen, Hu, Tan, Wei, Wu. "Elastic Aggregation for Federated Optimization". CVPR 2023,
+pp. 12187-12197.
 
 A parameter's sensitivity is how much the model's output changes when the parameter changes,
 measured without labels as the gradient of the output's squared norm (after Memory Aware
@@ -24,6 +24,8 @@ pseudo-gradient, which the server optimizer descends along (SGD with ``server_lr
 default, is the paper's step).
 
 Differences and choices:
+- Written from the paper's stated measure (the change of the output, without labels, online) in
+  Memory Aware Synapses' form; the moving average mu and the defaults follow FL-bench.
 - Omega_i is measured at the received model theta, on the minibatches of the round's local
   schedule (the gradient of each minibatch's mean squared output norm, before the local steps),
   and carried across the client's rounds.

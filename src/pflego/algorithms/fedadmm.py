@@ -30,8 +30,9 @@ Differences and choices:
 - FL-bench (KarhouTam/FL-bench, ``fedadmm``) weighs Delta_i by N_i, takes w_i^t as theta^t every
   round (so its Delta_i = 2 (w_i^{t+1} - theta^t)) and switches eta to ``eta_2`` after
   ``target_round`` rounds; here the mean is the paper's, w_i^t is the client's own last primal and
-  eta is ``server_lr`` throughout. The paper's random number of local epochs per client is not
-  drawn (``local_epochs`` with a ``batch_size`` already makes the local work ragged).
+  eta is ``server_lr`` throughout. FL-bench's random number of local epochs per client (its
+  default, ``fixed`` 0) is not drawn (``local_epochs`` with a ``batch_size`` already makes the
+  local work ragged).
 - The default rho = 0.01 is FL-bench's; the paper tunes it. The logged loss includes the
   Lagrangian's terms (the value the local steps descend).
 

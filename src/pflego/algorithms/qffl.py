@@ -29,7 +29,7 @@ Differences and choices:
   for F_k^{q-1} at a zero loss); one local step on the full batch makes Delta w_k = grad F_k(w^t),
   which is q-FedSGD (Algorithm 1).
 - L = 1 / client_lr whatever the client optimizer (the paper derives it for SGD). The default
-  q = 1 is a starting point: the paper tunes q per dataset (0.001 to 15).
+  q = 1 is a starting point: the paper tunes q per dataset.
 - Because the step is a ratio of two weighted means, the aggregate is not a weighted sum:
   differential privacy and secure aggregation refuse q-FFL.
 
