@@ -3,9 +3,9 @@
 The reference uses only torch autograd on the MLP written out by hand (``test_classic``'s
 ``logits`` / ``ce`` / ``descend``), plain loops and the paper's Algorithm 1: each sampled client's
 local steps on its augmented Lagrangian from theta^t, its dual ascent step, the change of its
-augmented model w_i + y_i / rho, and the server's step of eta times their plain mean. Half of
-the clients take part in each round, so some clients return with the primal and dual of an
-earlier round while others arrive for the first time.
+augmented model w_i + y_i / rho (w_i = theta^0, y_i = 0 before its first round), and the server's
+step of eta / m times their sum. Half of the clients take part in each round, so some clients
+return with the primal and dual of an earlier round while others arrive for the first time.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def test_fedadmm_rounds_equal_the_papers_primal_dual_updates(settings):
         ragged_experiment("fedadmm", server_lr=ETA, options={"rho": RHO}, **settings), None
     )
     theta = {k: v.clone() for k, v in sim.server["params"].items()}
+    theta0, m = dict(theta), sim.exp.data.num_clients
     primal: dict[int, dict] = {}
     dual: dict[int, dict] = {}
     revisits = 0
@@ -48,18 +49,17 @@ def test_fedadmm_rounds_equal_the_papers_primal_dual_updates(settings):
         changes = []
         for i, data in zip(cohort, clients, strict=True):
             revisits += i in primal
-            w = primal.get(i, theta)  # a first visit: w_i is the model it receives
+            w = primal.get(i, theta0)  # w_i^0 = theta^0
             y = dual.get(i, {k: torch.zeros_like(v) for k, v in theta.items()})
             new_w = descend(theta, lagrangian(theta, y, RHO), steps_of(data))
             new_y = {k: y[k] + RHO * (new_w[k] - theta[k]) for k in theta}
             changes.append({k: new_w[k] + new_y[k] / RHO - (w[k] + y[k] / RHO) for k in theta})
             primal[i], dual[i] = new_w, new_y
-        theta = {k: v + ETA * sum(d[k] for d in changes) / len(changes) for k, v in theta.items()}
+        theta = {k: v + ETA / m * sum(d[k] for d in changes) for k, v in theta.items()}
         sim.run_round(t)
         assert_close(sim.server["params"], theta)
         for i in cohort:
             state = sim.store.get(i)
-            assert float(state["trained"]) == 1.0
             assert_close({k[7:]: v for k, v in state.items() if k.startswith("primal.")}, primal[i])
             assert_close({k[5:]: v for k, v in state.items() if k.startswith("dual.")}, dual[i])
     assert revisits > 0  # clients came back with the primal and dual of an earlier round
@@ -77,13 +77,16 @@ def test_fedadmm_rounds_equal_the_papers_primal_dual_updates(settings):
         )
 
 
-def test_a_first_visit_state_holds_a_zero_dual_and_no_primal_yet():
+def test_a_first_visit_holds_the_initial_model_and_a_zero_dual_whatever_the_round():
     sim = Simulation(ragged_experiment("fedadmm"), None)
-    ctx = sim.context(0)
+    theta0 = {k: v.clone() for k, v in sim.server["params"].items()}
+    for t in range(2):
+        sim.run_round(t)
+    ctx = sim.context(2)
     downlink = sim.algorithm.downlink(sim.server, ctx)
-    state = sim.init_state(0, downlink, ctx)
-    assert float(state["trained"]) == 0.0
-    assert all(float(v.abs().max()) == 0.0 for k, v in state.items() if k != "trained")
+    state = sim.init_state(sim.exp.data.num_clients, downlink, ctx)
+    assert_close({k[7:]: v for k, v in state.items() if k.startswith("primal.")}, theta0)
+    assert all(float(v.abs().max()) == 0.0 for k, v in state.items() if k.startswith("dual."))
 
 
 def test_bad_rho_is_a_one_line_error():
