@@ -25,8 +25,9 @@ NAMES = sorted(ALGORITHMS)
 #: Methods whose new clients take no local steps that join_epochs could lengthen.
 JOIN_REFUSED = {"fedavg", "fedprox", "feddyn", "cfl", "fedem", "d-fedem", "perfedavg"}
 JOIN_REFUSED |= {"scaffold", "fednova", "fedlc", "moon", "fedcac", "knn-per"}
-#: Methods whose server rule is their own (no server optimizer, no server_lr), and Clustered FL,
-#: which steps by server_lr but with no other optimizer.
+JOIN_REFUSED |= {"qffl", "fedadmm", "fedntd", "ifca", "elastic"}
+#: Methods whose server rule is their own (no server optimizer, no server_lr), and Clustered FL
+#: and IFCA, which step by server_lr but with no other optimizer.
 SERVER_LR_REFUSED = {
     "feddyn",
     "fedfomo",
@@ -38,7 +39,7 @@ SERVER_LR_REFUSED = {
     "fedproto",
     "pfedhn",
 }
-SERVER_OPTIMIZER_REFUSED = SERVER_LR_REFUSED | {"cfl"}
+SERVER_OPTIMIZER_REFUSED = SERVER_LR_REFUSED | {"cfl", "ifca"}
 #: Per-FedAvg takes plain gradient steps; MOCHA its own SDCA steps (no optimizer, no decay).
 CLIENT_OPTIMIZER_REFUSED = {"perfedavg", "mocha"}
 WEIGHT_DECAY_REFUSED = {"mocha"}

@@ -6,6 +6,8 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     cfl,
     dfedem,
     ditto,
+    elastic,
+    fedadmm,
     fedala,
     fedamp,
     fedas,
@@ -21,6 +23,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     fedfomo,
     fedlc,
     fednova,
+    fedntd,
     fedpac,
     fedper,
     fedphp,
@@ -30,6 +33,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     fedrep,
     fedrod,
     gpfl,
+    ifca,
     knn_per,
     lgfedavg,
     local,
@@ -42,6 +46,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     pgfed,
     pgfed_ce,
     pgfedmo,
+    qffl,
     scaffold,
 )
 from pflego.algorithms.base import ALGORITHMS, Algorithm, build_algorithm, hyperparameters, register
