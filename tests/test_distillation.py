@@ -267,3 +267,76 @@ def test_fedkd_distils_mentor_and_mentee_adaptively_and_averages_the_mentees(ene
     mentor, proj, _ = fedkd_steps(w0, first["proj.weight"], w, steps_of(data))
     assert_close(joined, {**{f"mentor.{k}": v for k, v in mentor.items()}, "proj.weight": proj})
     torch.testing.assert_close(sim.algorithm.predict(downlink, joined, x), logits(mentor, x))
+
+
+# --- PFL-DA -----------------------------------------------------------------------------------
+
+BETA_DA = 0.7
+
+
+def pflda_visit(body: dict, decoder: dict, g: dict, steps):
+    """(a) SGD on the feature map and a copy of g; (b) the decoder from beta g + (1 - beta) d,
+    SGD on its loss over the adapted feature map."""
+    adapted = descend({**body, **g}, lambda p, x, y: F.cross_entropy(logits(p, x), y), steps)
+    body = {k: v for k, v in adapted.items() if k.startswith("body.")}
+    start = {k: BETA_DA * g[k] + (1 - BETA_DA) * decoder[k] for k in g}
+    trained = descend(start, lambda p, x, y: F.cross_entropy(logits({**body, **p}, x), y), steps)
+    return body, trained, {k: adapted[k] for k in g}
+
+
+def test_pflda_adapts_private_feature_maps_to_the_averaged_global_head():
+    sim = Simulation(ragged_experiment("pflda", options={"beta": BETA_DA}, **EPOCHS), None)
+    g = {k: v.clone() for k, v in sim.server["params"].items()}
+    assert set(g) == {"head.weight", "head.bias"}
+    states: dict[int, tuple] = {}
+    revisits = 0
+    for t in range(4):
+        cohort, start, clients = round_inputs(sim, t)
+        assert_close(start, g)
+        copies, sizes = [], []
+        for i, data in zip(cohort, clients, strict=True):
+            revisits += i in states
+            if i not in states:
+                first = sim.init_state(i, g, sim.context(t))
+                states[i] = (
+                    {k: v for k, v in first.items() if k.startswith("body.")},
+                    {k[9:]: v for k, v in first.items() if k.startswith("personal.")},
+                )
+            body, decoder, copy = pflda_visit(*states[i], g, steps_of(data))
+            states[i] = (body, decoder)
+            copies.append(copy)
+            sizes.append(len(data.y))
+        g = {k: sum(n * c[k] for n, c in zip(sizes, copies, strict=True)) / sum(sizes) for k in g}
+        sim.run_round(t)
+        assert_close(sim.server["params"], g)
+        for i in cohort:
+            body, decoder = states[i]
+            expected = {**body, **{f"personal.{k}": v for k, v in decoder.items()}}
+            assert_close(sim.store.get(i), expected)
+    assert revisits > 0
+
+    # predict: d_i(Phi_i(x)); join: a first visit's (a) and (b) from Phi = w^0's body
+    ctx = sim.context(4)
+    downlink = sim.algorithm.downlink(sim.server, ctx)
+    x = probe()
+    body, decoder = states[i]
+    torch.testing.assert_close(
+        sim.algorithm.predict(downlink, sim.store.get(i), x), logits({**body, **decoder}, x)
+    )
+    cohort = sim.cohort(4)
+    data = sim.round_inputs(4, cohort).client(0)
+    first = sim.init_state(int(cohort[0]), downlink, ctx)
+    w0 = sim.algorithm.init_params(sim.cfg.seed, torch.float64)
+    assert_close(
+        {k: v for k, v in first.items() if k.startswith("body.")},
+        {k: w0[k] for k in ("body.1.weight", "body.1.bias")},
+    )
+    joined = sim.algorithm.join(downlink, first, data, ctx)
+    decoder0 = {k[9:]: v for k, v in first.items() if k.startswith("personal.")}
+    body, decoder, _ = pflda_visit(
+        {k: w0[k] for k in ("body.1.weight", "body.1.bias")}, decoder0, g, steps_of(data)
+    )
+    assert_close(joined, {**body, **{f"personal.{k}": v for k, v in decoder.items()}})
+    torch.testing.assert_close(
+        sim.algorithm.predict(downlink, joined, x), logits({**body, **decoder}, x)
+    )

@@ -41,6 +41,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     perfedavg,
     pfedhn,
     pfedme,
+    pflda,
     pflego,
     pgfed,
     pgfed_ce,
