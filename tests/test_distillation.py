@@ -340,3 +340,95 @@ def test_pflda_adapts_private_feature_maps_to_the_averaged_global_head():
     torch.testing.assert_close(
         sim.algorithm.predict(downlink, joined, x), logits({**body, **decoder}, x)
     )
+
+
+# --- FedMD ------------------------------------------------------------------------------------
+
+DIGEST = 3
+
+
+def digest_loss(p, x, y, consensus, kind):
+    """The mean over the public rows and classes of |f(x_j) - consensus_j| (mae) or its square."""
+    gap = logits(p, x) - consensus
+    return (gap.abs() if kind == "mae" else gap * gap).mean()
+
+
+def fedmd_visit(model: dict, public: torch.Tensor, consensus, steps, kind="mae") -> dict:
+    """Digest (DIGEST full-batch steps toward the consensus, none before one exists), revisit."""
+    if consensus is not None:
+        for _ in range(DIGEST):
+            g = gradient(digest_loss, model, public, None, consensus, kind)
+            model = {k: v - LR * g[k] for k, v in model.items()}
+    return descend(model, lambda p, x, y: F.cross_entropy(logits(p, x), y), steps)
+
+
+@pytest.mark.parametrize("kind", ["mae", "mse"])
+def test_fedmd_digests_the_consensus_on_public_data_then_revisits_private_data(kind):
+    options = {"public_size": 12, "digest_steps": DIGEST, "digest_loss": kind}
+    sim = Simulation(ragged_experiment("fedmd", options=options, **EPOCHS), None)
+    public = sim.server["public"]["x"]
+    assert public.shape == (12, 1, 3, 3) and public.dtype == torch.float64
+    w0 = {k: v.clone() for k, v in sim.server["params"].items()}
+    models: dict[int, dict] = {}
+    consensus = None
+    revisits = 0
+    for t in range(4):
+        cohort, start, clients = round_inputs(sim, t)
+        assert_close(start, w0)
+        scores = []
+        for i, data in zip(cohort, clients, strict=True):
+            revisits += i in models
+            models[i] = fedmd_visit(models.get(i, w0), public, consensus, steps_of(data), kind)
+            scores.append(logits(models[i], public).detach())
+        consensus = sum(scores) / len(scores)  # the plain mean over the cohort
+        sim.run_round(t)
+        torch.testing.assert_close(
+            sim.server["consensus"]["scores"], consensus, rtol=1e-9, atol=1e-11
+        )
+        for i in cohort:
+            assert_close(sim.store.get(i), models[i])
+    assert revisits > 0
+
+    # predict: the client's own model; join: w^0 digested and trained on the client's data
+    ctx = sim.context(4)
+    downlink = sim.algorithm.downlink(sim.server, ctx)
+    x = probe()
+    torch.testing.assert_close(
+        sim.algorithm.predict(downlink, sim.store.get(i), x), logits(models[i], x)
+    )
+    cohort = sim.cohort(4)
+    data = sim.round_inputs(4, cohort).client(0)
+    joined = sim.algorithm.join(downlink, sim.init_state(int(cohort[0]), downlink, ctx), data, ctx)
+    expected = fedmd_visit(w0, public, consensus, steps_of(data), kind)
+    assert_close(joined, expected)
+    torch.testing.assert_close(sim.algorithm.predict(downlink, joined, x), logits(expected, x))
+
+
+def test_the_public_set_is_a_seeded_draw_of_distinct_training_inputs_or_a_one_line_refusal():
+    from pflego.config import load_config
+    from pflego.errors import ConfigError
+    from pflego.sim import build_experiment
+
+    settings = {"dataset": "tiny", "clients": 4, "algorithm": "fedmd", "dtype": "float64"}
+    exp = build_experiment(load_config({**settings, "options": {"public_size": 30}}))
+    again = build_experiment(load_config({**settings, "options": {"public_size": 30}}))
+    other = build_experiment(load_config({**settings, "seed": 1, "options": {"public_size": 30}}))
+    assert torch.equal(exp.public, again.public) and not torch.equal(exp.public, other.public)
+    assert len(exp.public.flatten(1).unique(dim=0)) == 30
+    pool = torch.as_tensor(__import__("conftest").load_tiny(None).x_train)
+    assert all((pool == row).flatten(1).all(1).any() for row in exp.public)
+    assert build_experiment(load_config({**settings, "algorithm": "fedavg"})).public is None
+    with pytest.raises(ConfigError, match="^public_size=241 exceeds the 240 training samples"):
+        build_experiment(load_config({**settings, "options": {"public_size": 241}}))
+
+
+def test_flower_refuses_an_algorithm_that_needs_public_data():
+    pytest.importorskip("flwr")
+    from conftest import tiny_experiment
+
+    from pflego.errors import ConfigError
+    from pflego.flower.unsupported import refuse_unsupported
+
+    with pytest.raises(ConfigError, match="^fedmd needs public data .* `pflego run`$"):
+        refuse_unsupported(tiny_experiment(algorithm="fedmd").config)
+    refuse_unsupported(tiny_experiment(algorithm="feddistill").config)

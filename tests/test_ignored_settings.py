@@ -38,6 +38,7 @@ SERVER_LR_REFUSED = {
     "fedproto",
     "pfedhn",
     "feddistill",
+    "fedmd",
 }
 SERVER_OPTIMIZER_REFUSED = SERVER_LR_REFUSED | {"cfl"}
 #: Per-FedAvg takes plain gradient steps; MOCHA its own SDCA steps (no optimizer, no decay).

@@ -22,6 +22,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     fedfomo,
     fedkd,
     fedlc,
+    fedmd,
     fednova,
     fedpac,
     fedper,
