@@ -22,11 +22,11 @@ logits yet contributing 0 (still counted in B C). Then it sends its new local av
 Symbols to code: F_i -> the client state (``body.*`` and ``head.*``, a C-way head: the ``global``
 label space, so that logits of every client index the same classes); F_bar -> ``server["logits"]``
 (``mean`` ``[C, C]`` and ``present`` ``[C]``, 1 for a class that has global logits), sent as
-``logit.mean`` / ``logit.present``; gamma -> ``lam`` (1, PFLlib's ``lamda`` default); the local
+``logit.mean`` / ``logit.present``; gamma -> ``lam`` (1 by default); the local
 solver -> ``pflego.local.train_steps`` with ``ctx.client_lr``. The upload is FedProto's
 (``fedproto.class_upload``): class sums and counts of the logits over N_i, weighted by N_i, so
 the server's weighted mean of them is a weighted sum (privacy may wrap it) whose ratio is the
-per-class mean; ``logit_weights="clients"`` (default) gives the papers' and PFLlib's plain mean of
+per-class mean; ``logit_weights="clients"`` (default) gives Jeong et al.'s and PFLlib's plain mean of
 the holders' class means, ``"samples"`` weights each client by its samples of the class.
 
 Deliberate differences and choices:
@@ -77,7 +77,7 @@ class FedDistill(Algorithm):
     )
     logit_weights: str = setting(
         "clients",
-        "how local class logits are averaged: by clients (the papers) or samples",
+        "how local class logits are averaged: by clients (the paper) or samples",
         one_of("clients", "samples", says="must be one of"),
     )
 

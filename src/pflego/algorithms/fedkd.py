@@ -12,7 +12,7 @@ W_h of the mentee's hidden states onto the mentor's, both models step together o
     L_t = L^task_t + (KL(y_s, y_t) + MSE(H_t, W_h H_s)) / (L^task_t + L^task_s),
     L_s = L^task_s + (KL(y_t, y_s) + MSE(H_t, W_h H_s)) / (L^task_t + L^task_s),
 
-the adaptive mutual distillation (Eqs. 1-4 of the paper): each distillation loss is divided by
+the paper's adaptive mutual distillation: each distillation loss is divided by
 the two task losses, so the models teach each other more when their predictions are right. The
 mentee's update is uploaded and averaged (weighted by N_i); the mentor is what the client
 predicts with.
@@ -33,12 +33,12 @@ mentee its own step size (``mentee_learning_rate``); pflego uses one step size.
 
 Compression: with ``energy`` set, every uploaded update matrix (a weight tensor, flattened to
 ``[rows, rest]``) is replaced by its truncated SVD keeping the fewest singular values whose
-energy sum sigma_k^2 exceeds ``energy`` times the total (the paper's Eq. 5; vectors are sent whole,
+energy sum sigma_k^2 exceeds ``energy`` times the total (the paper's rule; vectors are sent whole,
 as in the authors' code). Left out: the paper's schedule raising the threshold from T_start to
 T_end over the rounds (``energy`` is constant) and the compression
 of the server's aggregated update on the downlink; the SVD runs on the reconstructed update (the
 numbers the server receives), and the bytes a factorized upload would save are not simulated.
-The mentee has the mentor's architecture (the paper's is smaller; so is PFLlib's choice).
+The mentee has the mentor's architecture, as in PFLlib (the paper's mentee is a smaller model).
 
 The mentor starts as the run's initial model w^0 (from its seed) and W_h as PyTorch's default
 ``Linear`` initialization from the client's first-visit generator, so a first-visit state does

@@ -15,8 +15,8 @@ point before either model moves. Only the meme model is uploaded; the server ave
 (FedAvg, weighted by N_k); the private model never leaves the client and is what it predicts with.
 
 Symbols to code: the meme model -> the shared ``body.*`` / ``head.*`` (a C-way head); the private
-model -> the state ``private.*``; alpha, beta -> ``alpha``, ``beta`` (0.5 each, the paper's
-setting); L_C -> the masked cross-entropy; D_KL(p || q) -> :func:`mutual_kl`, per sample
+model -> the state ``private.*``; alpha, beta -> ``alpha``, ``beta`` (0.5 each by
+default); L_C -> the masked cross-entropy; D_KL(p || q) -> :func:`mutual_kl`, per sample
 ``sum_c p_c (log p_c - log q_c)`` with p fixed, averaged over the batch's real samples; the two
 simultaneous steps -> one ``train_steps`` on ``L_local + L_meme`` over both models (the targets
 detached, so each model's gradient is its own loss's), with the client optimizer and

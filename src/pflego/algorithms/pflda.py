@@ -2,7 +2,7 @@
 client's data to a shared head.
 
 Shi, Al Kontar. "Personalized Federated Learning via Domain Adaptation with an Application to
-Distributed 3D Printing". Technometrics 65(3), 2023 (doi:10.1080/00401706.2022.2157882); no arXiv
+Distributed 3D Printing". Technometrics, 2023 (doi:10.1080/00401706.2022.2157882); no arXiv
 version is known to us. Authors' code: UMDataScienceLab/Personalized_FL_with_DA (the ``PDA``
 runs of ``sine_regression/sineregression.py``); peer implementation read: PFLlib
 (TsingZ0/PFLlib, ``clientda.py`` / ``serverda.py``).
