@@ -38,6 +38,8 @@ SERVER_LR_REFUSED = {
     "fedamp",
     "fedproto",
     "pfedhn",
+    "feddistill",
+    "fedmd",
 }
 SERVER_OPTIMIZER_REFUSED = SERVER_LR_REFUSED | {"cfl", "ifca"}
 #: Per-FedAvg takes plain gradient steps; MOCHA its own SDCA steps (no optimizer, no decay).

@@ -93,6 +93,11 @@ class Algorithm:
     #: steps of the method's own that use neither the optimizer nor its weight decay (nor
     #: ``client_lr``, which is not refused: one step size is often given to every method).
     client_step: ClassVar[str] = "optimizer"
+    #: How many public (proxy) inputs the run holds for the algorithm (FedMD's public data set),
+    #: 0 for none: ``build_experiment`` draws them from the dataset's training pool and the server
+    #: state starts with them as ``server["public"]["x"]`` ``[P, ...]`` (an algorithm may declare it as
+    #: an option of its own, a dataclass field of the same name).
+    public_size: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         """Check every option against the rule declared on its field (``fields.setting``)."""

@@ -89,6 +89,22 @@ def nearest_prototype_logits(features: Tensor, means: Tensor, present: Tensor) -
     return torch.where(present > 0, -distances, torch.finfo(distances.dtype).min)
 
 
+def class_upload(
+    values: Tensor, data: ClientData, num_classes: int, weights: str
+) -> tuple[Tensor, Tensor]:
+    """A client's per-class sums ``[C, M]`` and counts ``[C]`` of ``values`` (one row per
+    training sample), divided by N_i: uploaded with weight N_i, their weighted means over the
+    cohort give ``sum_i S_i / sum_i n_i`` per class (``weights="samples"``); with ``"clients"``
+    each holder's class mean and a count of 1 instead, so the ratio is the plain mean of the
+    holders' class means."""
+    sums, counts = class_sums(values, data.y, data.mask, num_classes)
+    if weights == "clients":
+        held = (counts > 0).to(counts.dtype)
+        sums, counts = sums / torch.where(counts > 0, counts, 1.0)[:, None], held
+    n = data.num_samples.to(values.dtype)
+    return sums / n, counts / n
+
+
 def aggregate_prototypes(
     protos: Params, aggregated: Params, sum_key: str = SUM, count_key: str = COUNT
 ) -> Params:
@@ -171,12 +187,8 @@ class FedProto(Algorithm):
     def prototype_upload(self, params: Params, data: ClientData) -> Params:
         """The class sums and counts of the trained body's features (Eq. 5), over N_i."""
         z = self.model.features(params, data.x)
-        sums, counts = class_sums(z, data.y, data.mask, self.model.num_classes)
-        if self.proto_weights == "clients":  # each holder's prototype once (the authors' code)
-            held = (counts > 0).to(counts.dtype)
-            sums, counts = sums / torch.where(counts > 0, counts, 1.0)[:, None], held
-        n = data.num_samples.to(z.dtype)
-        return {SUM: sums / n, COUNT: counts / n}
+        sums, counts = class_upload(z, data, self.model.num_classes, self.proto_weights)
+        return {SUM: sums, COUNT: counts}
 
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
         trained, mean_loss = self.train_local(downlink, state, data, ctx)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from pflego.algorithms import ALGORITHMS, Algorithm, build_algorithm
 from pflego.algorithms.base import check_settings
@@ -35,6 +36,8 @@ class Experiment:
         unseen: Clients that never train and personalize only at evaluation
             (``unseen_fraction``), or ``None``.
         data_files: The dataset's source files (their checksums go into ``environment.json``).
+        public: The public (proxy) inputs ``[P, ...]`` of an algorithm with ``public_size``
+            (model inputs, float32), or ``None``.
     """
 
     config: Config
@@ -42,6 +45,7 @@ class Experiment:
     algorithm: Algorithm
     unseen: FederatedData | None = None
     data_files: list[Path] = field(default_factory=list)
+    public: Tensor | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -131,13 +135,39 @@ def build_experiment(config: Config) -> Experiment:
         )
     dataset_info(config.dataset)  # an unknown dataset fails here, before any data is loaded
     check_settings(config)  # before any data is loaded
+    size = ALGORITHMS[config.algorithm].public_size
     if config.dataset in POPULATIONS:  # generated client by client: nothing to load
+        if size:
+            raise ConfigError(
+                f"{config.algorithm} needs public data from a dataset's training pool, which the "
+                f"generated {config.dataset} has not; choose another dataset"
+            )
         data = POPULATIONS[config.dataset](config.clients, config.seed, config.test_fraction)
         return experiment_on(config, data)
     raw = load_dataset(
         config.dataset, config.data_dir, seed=config.seed, **config.dataset_settings()
     )
-    return experiment_on(config, partition(raw, config), raw.sources)
+    exp = experiment_on(config, partition(raw, config), raw.sources)
+    size = exp.algorithm.public_size  # the run's own value of the option
+    return replace(exp, public=public_inputs(raw, size, config.seed)) if size else exp
+
+
+#: The random stream of the public inputs' draw.
+PUBLIC_STREAM = 31
+
+
+def public_inputs(raw: ArrayDataset, size: int, seed: int) -> Tensor:
+    """``size`` inputs of ``raw``'s training pool, drawn without replacement (seeded), as model
+    inputs: the public (proxy) data set of an algorithm with ``public_size``."""
+    available = len(raw.x_train)
+    if size > available:
+        raise ConfigError(
+            f"public_size={size} exceeds the {available} training samples of {raw.name}; lower it"
+        )
+    rows = np.sort(
+        np.random.default_rng(seed_for(seed, PUBLIC_STREAM)).choice(available, size, replace=False)
+    )
+    return torch.as_tensor(raw.x_train[rows]).to(torch.float32) * raw.scale
 
 
 def experiment_on(

@@ -60,6 +60,9 @@ class Simulation(Evaluation):
         self.algorithm = experiment.algorithm
         params = self.algorithm.init_params(self.cfg.seed, experiment.dtype)
         self.server: ServerState = self.algorithm.init_server(tree.to(params, self.device))
+        if experiment.public is not None:  # the public inputs the algorithm declared
+            public = experiment.public.to(self.device, experiment.dtype)
+            self.server = {**self.server, "public": {"x": public}}
         self.store = ClientStore(experiment.data.num_clients)
         self.sampling = Sampling(self.cfg, self.algorithm, experiment.data)
         space, dtype = self.algorithm.label_space, experiment.dtype
