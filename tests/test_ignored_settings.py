@@ -37,6 +37,7 @@ SERVER_LR_REFUSED = {
     "fedamp",
     "fedproto",
     "pfedhn",
+    "pfedsim",
 }
 SERVER_OPTIMIZER_REFUSED = SERVER_LR_REFUSED | {"cfl"}
 #: Per-FedAvg takes plain gradient steps; MOCHA its own SDCA steps (no optimizer, no decay).

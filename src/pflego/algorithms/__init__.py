@@ -37,6 +37,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     moon,
     perfedavg,
     pfedhn,
+    pfedsim,
     pfedme,
     pflego,
     pgfed,
