@@ -35,6 +35,7 @@ SERVER_LR_REFUSED = {
     "local",
     "apple",
     "fedamp",
+    "fedap",
     "fedproto",
     "pfedhn",
     "pfedsim",

@@ -8,6 +8,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     ditto,
     fedala,
     fedamp,
+    fedap,
     fedas,
     fedavg,
     fedavg_plus,
