@@ -48,8 +48,10 @@ Deliberate differences and choices:
 - Differential privacy and SecAgg+ are refused (``sum_aggregate = False``); the server optimizer
   and ``server_lr`` are not used (``server_step = "own"``).
 
-Prediction: the client's stored theta_i (the authors' test does not re-aggregate), with its own
-batch-norm layers in evaluation mode; during the pre-training, the global model. A client that
+Prediction: the client's theta_i (the authors' test does not re-aggregate), kept in its state as
+well as on the server, with its own batch-norm layers in evaluation mode; during the
+pre-training, and until the client trains after it, the model it receives (the global model:
+an unmeasured client's row of w is the identity). A client that
 never trained (``join``) has no statistics on the server: it trains the model it receives (the
 pre-trained model) with fresh batch-norm layers of its own on its data, its first round.
 """
@@ -69,7 +71,7 @@ from pflego.fields import between, non_negative, setting
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, ServerState
 
-OWN, STATS = "model.", "stats."
+OWN, STATS, TRAINED = "model.", "stats.", "trained"
 FEATURES = "features"  # the statistics' layer name for a model without batch norm
 
 
@@ -133,15 +135,7 @@ class FedAP(FedBN):
         if "weights" not in server:
             return {k: v[clients.to(v.device)] for k, v in models.items()}
         rows = server["weights"][clients.to(server["weights"].device)]
-        return {k: torch.tensordot(rows.to(v), v, dims=1) for k, v in models.items()}
-
-    def evaluation_downlink(
-        self, server: ServerState, ctx: RoundContext, clients: Tensor | None = None
-    ) -> Params:
-        """Each client's stored theta_i; a newcomer's is the global model."""
-        if clients is None:
-            return server["params"]
-        return {k: v[clients.to(v.device)] for k, v in self.stored_models(server, ctx).items()}
+        return tree.mix(models, dict.fromkeys(models, rows))
 
     def server_round(
         self, server: ServerState, out: ClientOut, ctx: RoundContext, clients: Tensor
@@ -186,6 +180,19 @@ class FedAP(FedBN):
 
     # --- client ---------------------------------------------------------------------------------
 
+    def init_client(
+        self, downlink: Params, generator: torch.Generator, ctx: RoundContext
+    ) -> ClientState:
+        """FedBN's fresh batch-norm layers, and no personal model yet (``trained`` 0)."""
+        norms = super().init_client(downlink, generator, ctx)
+        first = next(iter(downlink.values()))
+        own = tree.add_prefix(OWN, tree.zeros_like(downlink))
+        return {**norms, **own, TRAINED: first.new_zeros(())}
+
+    def norm_state(self, state: ClientState) -> ClientState:
+        """The client's batch-norm layers (FedBN's state)."""
+        return {k: v for k, v in state.items() if not k.startswith(OWN) and k != TRAINED}
+
     def statistics(self, params: Params, data: ClientData) -> Params:
         """Each batch-norm layer's input mean and biased variance over the training split (the
         body's output features' without batch norm)."""
@@ -208,30 +215,30 @@ class FedAP(FedBN):
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
         """FedBN's local steps from theta~_i with the client's own batch-norm layers; uploads the
         trained model and the statistics measured on theta~_i before training."""
-        affine, running = self.split_state(state)
+        affine, running = self.split_state(self.norm_state(state))
         stats = self.statistics({**downlink, **affine, **running}, data)
         trained, running, mean_loss = self.local_steps(
             {**downlink, **affine}, {}, running, data, ctx
         )
-        upload = {
-            **tree.add_prefix(OWN, {k: trained[k] for k in downlink}),
-            **tree.add_prefix(STATS, stats),
-        }
-        new_state = {**{k: trained[k] for k in affine}, **running}
+        model = tree.add_prefix(OWN, {k: trained[k] for k in downlink})
+        upload = {**model, **tree.add_prefix(STATS, stats)}
+        personal = torch.full_like(state[TRAINED], float(ctx.round >= self.warmup_rounds))
+        new_state = {**{k: trained[k] for k in affine}, **running, **model, TRAINED: personal}
         return ClientOut(upload, data.num_samples, {"loss": mean_loss}), new_state
 
     def personal_model(self, downlink: Params, state: ClientState) -> Params:
-        """theta_i as sent for evaluation (or a newcomer's joined model), with the client's own
-        batch-norm layers."""
-        own = {k: v for k, v in state.items() if not k.startswith(OWN)}
-        return {**(tree.strip_prefix(OWN, state) or downlink), **own}
+        """theta_i once the client trained after the pre-training (or joined), else its downlink,
+        with the client's own batch-norm layers."""
+        model = tree.where(state[TRAINED] > 0, tree.strip_prefix(OWN, state), downlink)
+        return {**model, **self.norm_state(state)}
 
     def predict(self, downlink: Params, state: ClientState, x: Tensor) -> Tensor:
         return self.model.forward(self.personal_model(downlink, state), x)
 
     def join(self, downlink, state, data: ClientData, ctx: RoundContext) -> ClientState:
         """A newcomer's first round: the model it receives and fresh batch-norm layers trained."""
-        affine, running = self.split_state(state)
+        affine, running = self.split_state(self.norm_state(state))
         trained, running, _ = self.local_steps({**downlink, **affine}, {}, running, data, ctx)
-        model = {k: trained[k] for k in downlink}
-        return {**{k: trained[k] for k in affine}, **running, **tree.add_prefix(OWN, model)}
+        model = tree.add_prefix(OWN, {k: trained[k] for k in downlink})
+        done = torch.ones_like(state[TRAINED])
+        return {**{k: trained[k] for k in affine}, **running, **model, TRAINED: done}

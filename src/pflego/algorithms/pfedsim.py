@@ -20,7 +20,8 @@ round t:
 
 Symbols to code: R_w -> ``warmup_rounds``; the global model of the warm-up -> ``server["params"]``
 (kept afterwards as a newcomer's model); theta_1..theta_I -> ``server["models"]`` ``[I, ...]``
-(created from the global model at the first personalized round); S -> ``server["sim"]`` ``[I, I]``;
+(created from the global model at the first personalized round), and each client's state
+``model.*`` with ``trained``; S -> ``server["sim"]`` ``[I, I]``;
 phi -> the ``body.*`` entries, h -> ``head.*`` (the classifier's weight ``head.weight`` gives S);
 the local steps -> the run's schedule, client optimizer and ``ctx.client_lr``.
 
@@ -31,9 +32,10 @@ Deliberate differences and choices:
   as much as the client's own and never give an infinite -log(0) (FL-bench does not cap it).
 - The warm-up average is the N_i-weighted mean of the uploaded models (FL-bench's FedAvg); the
   server optimizer and ``server_lr`` are not used (``server_step = "own"``).
-- The personalized model evaluated is the client's stored theta_i (FL-bench's test, which does
-  not re-aggregate); during the warm-up, and for a client that has not trained since, it is the
-  global model.
+- The personalized model evaluated is the client's theta_i (FL-bench's test, which does not
+  re-aggregate), kept in its state as well as on the server; during the warm-up, and for a
+  client that has not trained since, it is the model it receives: the global model (a client
+  that has not trained after the warm-up has no similar client, so its phi~_i is its own).
 - Differential privacy and SecAgg+ are refused (``sum_aggregate = False``): the server keeps
   every client's model.
 
@@ -56,7 +58,8 @@ from pflego.fields import non_negative, setting
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, ServerState
 
-OWN = "model."  # the upload: the trained model; a newcomer's joined model in its state
+OWN = "model."  # the upload and the client's theta_i
+TRAINED = "trained"  # 1 once the client has trained after the warm-up (or joined)
 SELF = 0.9999  # the similarity of a client to itself (the authors' constant)
 
 
@@ -116,16 +119,6 @@ class PFedSim(Algorithm):
             for k, v in models.items()
         }
 
-    def evaluation_downlink(
-        self, server: ServerState, ctx: RoundContext, clients: Tensor | None = None
-    ) -> Params:
-        """Each client's stored theta_i (the global model before it has one); a newcomer's is
-        the global model."""
-        if clients is None:
-            return server["params"]
-        models = self.stored_models(server, ctx)
-        return {k: v[clients.to(v.device)] for k, v in models.items()}
-
     def server_round(
         self, server: ServerState, out: ClientOut, ctx: RoundContext, clients: Tensor
     ) -> ServerState:
@@ -151,19 +144,25 @@ class PFedSim(Algorithm):
     def init_client(
         self, downlink: Params, generator: torch.Generator, ctx: RoundContext
     ) -> ClientState:
-        """Nothing: the client's personal model lives on the server."""
-        return {}
+        """No personal model yet (``trained`` 0): until it has one the client uses its downlink."""
+        first = next(iter(downlink.values()))
+        return {**tree.add_prefix(OWN, tree.zeros_like(downlink)), TRAINED: first.new_zeros(())}
 
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
-        """The whole model trained from (phi~_i, h_i), uploaded whole."""
+        """The whole model trained from (phi~_i, h_i), uploaded whole and, after the warm-up,
+        kept as theta_i."""
         trained, mean_loss = self.train(downlink, data, ctx)
+        personal = float(ctx.round >= self.warmup_rounds)
+        new_state = {
+            **tree.add_prefix(OWN, trained),
+            TRAINED: torch.full_like(state[TRAINED], personal),
+        }
         out = ClientOut(tree.add_prefix(OWN, trained), data.num_samples, {"loss": mean_loss})
-        return out, state
+        return out, new_state
 
     def personal_model(self, downlink: Params, state: ClientState) -> Params:
-        """theta_i as sent for evaluation, or a newcomer's joined model."""
-        joined = tree.strip_prefix(OWN, state)
-        return joined or downlink
+        """theta_i once the client trained after the warm-up (or joined), else its downlink."""
+        return tree.where(state[TRAINED] > 0, tree.strip_prefix(OWN, state), downlink)
 
     def predict(self, downlink: Params, state: ClientState, x: Tensor) -> Tensor:
         return self.model.forward(self.personal_model(downlink, state), x)
@@ -171,4 +170,4 @@ class PFedSim(Algorithm):
     def join(self, downlink, state, data: ClientData, ctx: RoundContext) -> ClientState:
         """A newcomer's first round: the model it receives trained on its data."""
         trained, _ = self.train(downlink, data, ctx)
-        return {**state, **tree.add_prefix(OWN, trained)}
+        return {**tree.add_prefix(OWN, trained), TRAINED: torch.ones_like(state[TRAINED])}
