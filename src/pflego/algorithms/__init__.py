@@ -15,6 +15,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     fedbabu,
     fedbn,
     fedcac,
+    fedcross,
     fedcp,
     feddbe,
     feddyn,
