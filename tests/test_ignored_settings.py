@@ -24,7 +24,7 @@ NAMES = sorted(ALGORITHMS)
 
 #: Methods whose new clients take no local steps that join_epochs could lengthen.
 JOIN_REFUSED = {"fedavg", "fedprox", "feddyn", "cfl", "fedem", "d-fedem", "perfedavg"}
-JOIN_REFUSED |= {"scaffold", "fednova", "fedlc", "moon", "fedcac", "knn-per", "fedcross"}
+JOIN_REFUSED |= {"scaffold", "fednova", "fedlc", "moon", "fedcac", "knn-per", "fedcross", "pfedla"}
 #: Methods whose server rule is their own (no server optimizer, no server_lr), and Clustered FL,
 #: which steps by server_lr but with no other optimizer.
 SERVER_LR_REFUSED = {
@@ -39,6 +39,7 @@ SERVER_LR_REFUSED = {
     "fedcross",
     "fedproto",
     "pfedhn",
+    "pfedla",
     "pfedsim",
 }
 SERVER_OPTIMIZER_REFUSED = SERVER_LR_REFUSED | {"cfl"}

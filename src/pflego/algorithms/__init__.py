@@ -39,6 +39,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     moon,
     perfedavg,
     pfedhn,
+    pfedla,
     pfedsim,
     pfedme,
     pflego,

@@ -23,6 +23,8 @@ Symbols to code: R_w -> ``warmup_rounds``; the global model of the warm-up -> ``
 (created from the global model at the first personalized round), and each client's state
 ``model.*`` with ``trained``; S -> ``server["sim"]`` ``[I, I]``;
 phi -> the ``body.*`` entries, h -> ``head.*`` (the classifier's weight ``head.weight`` gives S);
+the mixture -> ``tree.mix`` (per-entry weights: a_i on the body, the client's own row on the
+head);
 the local steps -> the run's schedule, client optimizer and ``ctx.client_lr``.
 
 Deliberate differences and choices:
@@ -111,13 +113,8 @@ class PFedSim(Algorithm):
         idx = clients.to(server["sim"].device)
         sim = server["sim"][idx].clone()
         sim[torch.arange(len(idx)), idx] = SELF
-        mix = mixing_weights(sim)
-        return {
-            k: torch.tensordot(mix.to(v), v, dims=1)
-            if k.startswith("body.")
-            else v[clients.to(v.device)]
-            for k, v in models.items()
-        }
+        mix, own = mixing_weights(sim), (idx[:, None] == torch.arange(sim.shape[1])).to(sim)
+        return tree.mix(models, {k: mix if k.startswith("body.") else own for k in models})
 
     def server_round(
         self, server: ServerState, out: ClientOut, ctx: RoundContext, clients: Tensor
