@@ -30,6 +30,7 @@ JOIN_REFUSED |= {"scaffold", "fednova", "fedlc", "moon", "fedcac", "knn-per", "f
 SERVER_LR_REFUSED = {
     "feddyn",
     "fedfomo",
+    "fedmtl",
     "mocha",
     "d-fedem",
     "local",

@@ -22,6 +22,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     fedem,
     fedfomo,
     fedlc,
+    fedmtl,
     fednova,
     fedpac,
     fedper,
