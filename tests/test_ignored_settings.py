@@ -31,6 +31,7 @@ SERVER_LR_REFUSED = {
     "feddyn",
     "fedfomo",
     "fedmtl",
+    "metafed",
     "mocha",
     "d-fedem",
     "local",
