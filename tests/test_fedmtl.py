@@ -23,7 +23,7 @@ def objective(others: list[dict], omega: float, c: float):
 
     def loss(p, x, y):
         columns = [p, *others]
-        frobenius = sum(float((m[k] ** 2).sum()) if m is not p else (p[k] ** 2).sum() for m in columns for k in MODEL)  # fmt: skip
+        frobenius = sum((m[k] ** 2).sum() for m in columns for k in MODEL)
         total = sum(sum(m[k] for m in columns).pow(2).sum() for k in MODEL)
         ce = torch.nn.functional.cross_entropy(logits(p, x), y)
         return ce + c * (frobenius + omega**2 * total)
@@ -71,7 +71,8 @@ def test_the_penalty_acts():
     data = sim.round_inputs(0, cohort).client(0)
     sim.run_round(0)
     initial = {k: v.clone() for k, v in sim.server["params"].items()}
-    plain = descend(initial, MODEL, lambda p, x, y: torch.nn.functional.cross_entropy(logits(p, x), y), steps_of(data), lr=ctx.client_lr)  # fmt: skip
+    ce = lambda p, x, y: torch.nn.functional.cross_entropy(logits(p, x), y)  # noqa: E731
+    plain = descend(initial, MODEL, ce, steps_of(data), lr=ctx.client_lr)
     stored = {k: v[int(cohort[0])] for k, v in sim.server["models"].items()}
     assert max(float((stored[k] - plain[k]).abs().max()) for k in MODEL) > 1e-9
 

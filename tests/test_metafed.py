@@ -60,8 +60,8 @@ def test_metafed_rounds_equal_the_papers_updates(setting):
                 flags[i] = accuracy(trained[i], data) > options["threshold"]
                 paths.add("warm-up")
             elif flags[i]:  # its own model, distilled toward the teacher's features
-                steps = steps_of(data)
-                trained[i] = descend(models[i], MODEL, distillation(teacher), steps, lr=ctx.client_lr)  # fmt: skip
+                step = distillation(teacher)
+                trained[i] = descend(models[i], MODEL, step, steps_of(data), lr=ctx.client_lr)
                 paths.add("distill")
             else:  # the teacher's model, trained
                 trained[i] = descend(teacher, MODEL, loss, steps_of(data), lr=ctx.client_lr)

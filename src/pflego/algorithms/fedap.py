@@ -1,4 +1,4 @@
-"""FedAP: each client's model aggregates the others' by the similarity of their batch-norm statistics.
+"""FedAP: each client aggregates the others' models by the similarity of batch-norm statistics.
 
 Lu, Wang, Chen, Qin, Yu. "Personalized Federated Learning with Adaptive Batchnorm for Healthcare".
 IEEE Transactions on Big Data 2022; arXiv:2112.00734. Authors' code: github.com/microsoft/

@@ -13,12 +13,12 @@ client i replaces its own column by the model it trains and takes the run's loca
     L_i(w) + c (||W||_F^2 + omega^2 ||W 1||^2),   W 1 = w + s_i,  s_i = sum_{j in S, j != i} w_j,
 
 with ``omega = sqrt(Omega_11) = 1 - 1/r`` for PFLlib's ``Omega = (1 1^T - 1 1^T / r)^2``
-(element-wise; its ``I`` is a matrix of ones, so every entry of Omega is (1 - 1/r)^2) and ``c = 10^-f``, ``f = floor(log10(d) + 1) + 1`` for d the model's
-number of parameters. Up to a constant in w, the penalty is the proximal term
-``(rho / 2) ||w - a_i||^2`` with ``rho = 2 c (1 + omega^2)`` and
-``a_i = -omega^2 s_i / (1 + omega^2)``, which is how the local steps take it (``Algorithm.train``'s
-``anchor`` and ``strength``: its gradient in closed form). The client uploads w_i, which the
-server stores.
+(element-wise; its ``I`` is a matrix of ones, so every entry of Omega is (1 - 1/r)^2) and
+``c = 10^-f``, ``f = floor(log10(d) + 1) + 1`` for d the model's number of parameters. Up to
+a constant in w, the penalty is the proximal term ``(rho / 2) ||w - a_i||^2`` with
+``rho = 2 c (1 + omega^2)`` and ``a_i = -omega^2 s_i / (1 + omega^2)``, which is how the local
+steps take it (``Algorithm.train``'s ``anchor`` and ``strength``: its gradient in closed form).
+The client uploads w_i, which the server stores.
 
 Symbols to code: w_i -> the client state ``model.*`` (with ``trained``) and the server's copies
 ``server["models"]`` ``[I, ...]``; s_i -> the downlink's ``others.*``; the initial model ->

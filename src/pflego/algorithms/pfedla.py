@@ -20,10 +20,10 @@ vector-Jacobian product, ``torch.func.vjp``), and updates the client's model
 Symbols to code: theta_1..theta_I -> ``server["params"]["model.*"]`` ``[I, ...]``; (v_i, phi_i)
 -> ``server["params"]``'s ``embedding`` ``[I, e]`` and MLP ``la.*`` (one copy per client,
 stacked ``[I, ...]``; until the first round ``server["params"]`` holds the initial model, every
-client's theta_i), their momentum buffers -> ``server["momentum"]``; eta, the momentum, e, the MLP width
--> ``hn_lr`` (5e-3), ``hn_momentum`` (0), ``embedding_dim`` (100), ``hidden_dim`` (100), FL-bench's
-defaults; a layer l -> one entry of the parameter dict (a weight or a bias, as FL-bench); the
-per-layer aggregation itself -> ``tree.mix``. The hypernetwork is pFedHN's
+client's theta_i), their momentum buffers -> ``server["momentum"]``; eta, the momentum, e, the
+MLP width -> ``hn_lr`` (5e-3), ``hn_momentum`` (0), ``embedding_dim`` (100), ``hidden_dim``
+(100), FL-bench's defaults; a layer l -> one entry of the parameter dict (a weight or a bias,
+as FL-bench); the per-layer aggregation itself -> ``tree.mix``. The hypernetwork is pFedHN's
 (``pflego.models.hypernet``): ``Linear(e, h)`` and two blocks ``ReLU -> Linear(h, h)``, then
 ``ReLU`` and one output layer of I units per entry, and the output's ReLU; its trunk starts with
 ``nn.Linear``'s initialization, the output layers with U(0, 1) weights and zero biases, the
@@ -33,7 +33,8 @@ Deliberate differences and choices:
 - The upload's sign is pFedHN's (sent minus trained), so that the hypernetwork's step moves
   theta-bar_i toward the trained model. As we read FL-bench, its client loads the stored
   theta_i over the aggregate it receives (trains theta_i, not theta-bar_i) and its hypernetwork
-  step takes the opposite sign; we follow the paper.
+  step takes the opposite sign; here the client trains theta-bar_i, as the paper describes, and
+  the step descends.
 - Every client's hypernetwork keeps its own momentum buffers (FL-bench's one optimizer shares
   them across clients; with its default momentum 0 both are plain SGD). The cohort's steps are
   taken together, each on its own client's hypernetwork, so they do not interact.
@@ -43,8 +44,9 @@ Deliberate differences and choices:
   that has not trained yet is evaluated with it too. The server optimizer and ``server_lr`` are
   not used (``server_step = "own"``); differential privacy and SecAgg+ are refused
   (``sum_aggregate = False``).
-- The tables are sized by the population at their first use; on Flower, clients that join later
-  are not given a hypernetwork (as pFedHN, the table would need new rows).
+- The tables are sized by the population at their first use; on Flower, clients that join
+  later are not given a hypernetwork or a model (pFedHN adds embedding rows for them; here every
+  table would need new rows and columns).
 
 A client that never trained (``join``) has no hypernetwork: it is evaluated with the plain mean
 of the clients' models (the aggregate of equal weights) and takes no local steps.
