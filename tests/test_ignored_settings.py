@@ -26,20 +26,27 @@ NAMES = sorted(ALGORITHMS)
 JOIN_REFUSED = {"fedavg", "fedprox", "feddyn", "cfl", "fedem", "d-fedem", "perfedavg"}
 JOIN_REFUSED |= {"scaffold", "fednova", "fedlc", "moon", "fedcac", "knn-per"}
 JOIN_REFUSED |= {"qffl", "fedadmm", "fedntd", "ifca", "elastic"}
+JOIN_REFUSED |= {"fedcross", "pfedla"}
 #: Methods whose server rule is their own (no server optimizer, no server_lr), and Clustered FL
 #: and IFCA, which step by server_lr but with no other optimizer.
 SERVER_LR_REFUSED = {
     "feddyn",
     "fedfomo",
+    "fedmtl",
+    "metafed",
     "mocha",
     "d-fedem",
     "local",
     "apple",
     "fedamp",
+    "fedap",
+    "fedcross",
     "fedproto",
     "pfedhn",
     "feddistill",
     "fedmd",
+    "pfedla",
+    "pfedsim",
 }
 SERVER_OPTIMIZER_REFUSED = SERVER_LR_REFUSED | {"cfl", "ifca"}
 #: Per-FedAvg takes plain gradient steps; MOCHA its own SDCA steps (no optimizer, no decay).

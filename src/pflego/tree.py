@@ -86,6 +86,13 @@ def weighted_sum(stacked: Mapping[str, Tensor], weights: Tensor) -> Params:
     return {k: torch.tensordot(weights.to(v.dtype), v, dims=1) for k, v in stacked.items()}
 
 
+def mix(stacked: Mapping[str, Tensor], weights: Mapping[str, Tensor]) -> Params:
+    """Per-entry combinations of models stacked on axis 0 (``[I, ...]``): entry ``k`` of the
+    ``n`` results is ``weights[k] @ stacked[k]``, ``weights[k]`` ``[n, I]`` (per-layer
+    aggregation weights: pFedLA's; one row for every entry: FedAP's)."""
+    return {k: torch.tensordot(weights[k].to(v), v, dims=1) for k, v in stacked.items()}
+
+
 def select(tree: Mapping[str, Tensor], prefixes: Iterable[str]) -> Params:
     """The leaves whose names start with one of ``prefixes`` followed by a dot."""
     prefixes = tuple(p + "." for p in prefixes)

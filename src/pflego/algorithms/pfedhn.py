@@ -82,6 +82,7 @@ from pflego.algorithms.base import Algorithm, register
 from pflego.fields import at_least, between, non_negative, positive, setting
 from pflego.local import train_steps
 from pflego.loss import masked_cross_entropy
+from pflego.models import hypernet
 from pflego.rng import seed_for
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, ServerState
@@ -133,15 +134,10 @@ class PFedHN(Algorithm):
 
     def generate(self, hyper: Params, embeddings: Tensor) -> Params:
         """theta = h(v; phi) for embeddings ``[..., e]``: each target entry ``[..., *shape]``."""
-        f = embeddings @ hyper[HYPER + "in.weight"].T + hyper[HYPER + "in.bias"]
-        for j in range(self.hidden_layers):
-            w, b = hyper[f"{HYPER}hidden.{j}.weight"], hyper[f"{HYPER}hidden.{j}.bias"]
-            f = torch.relu(f) @ w.T + b
+        f = hypernet.trunk(hyper, HYPER, embeddings, self.hidden_layers)
         batch = embeddings.shape[:-1]
         return {
-            k: (f @ hyper[f"{HYPER}out.{k}.weight"].T + hyper[f"{HYPER}out.{k}.bias"]).reshape(
-                *batch, *shape
-            )
+            k: hypernet.output(hyper, HYPER, k, f).reshape(*batch, *shape)
             for k, shape in self.target_shapes.items()
         }
 
@@ -149,15 +145,11 @@ class PFedHN(Algorithm):
         """phi with ``nn.Linear``'s initialization, seeded by the run's seed; an empty table."""
         first = next(iter(template.values()))
         gen = torch.Generator().manual_seed(seed_for(ctx.seed, 17))
-        e, h = self.embedding_size(ctx.num_clients), self.hidden_dim
-        layers = [("in", h, e)] + [(f"hidden.{j}", h, h) for j in range(self.hidden_layers)]
-        layers += [(f"out.{k}", math.prod(s), h) for k, s in self.target_shapes.items()]
-        hyper = {}
-        for name, fan_out, fan_in in layers:
-            bound = 1 / math.sqrt(fan_in)
-            for part, shape in (("weight", (fan_out, fan_in)), ("bias", (fan_out,))):
-                draw = torch.rand(shape, generator=gen, dtype=torch.float32) * 2 - 1
-                hyper[f"{HYPER}{name}.{part}"] = (bound * draw).to(first)
+        e = self.embedding_size(ctx.num_clients)
+        outputs = {k: math.prod(s) for k, s in self.target_shapes.items()}
+        hyper = hypernet.init_hypernetwork(
+            HYPER, e, self.hidden_dim, self.hidden_layers, outputs, gen, first
+        )
         return {**hyper, EMBEDDINGS: first.new_zeros((0, e))}
 
     def hypernetwork(self, server: ServerState, ctx: RoundContext) -> tuple[Params, Params]:
@@ -224,12 +216,15 @@ class PFedHN(Algorithm):
         delta = {k: out.upload[k].to(table) for k in self.target_shapes}
         grad_hyper, grad_rows = pull_back(delta)
         grads = {**grad_hyper, EMBEDDINGS: torch.zeros_like(table).index_add(0, idx, grad_rows)}
-        norm = tree.sq_norm(grads).sqrt()  # torch.nn.utils.clip_grad_norm_, as the authors
-        grads = tree.scale(grads, (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
-        decay = self.hyper_weight_decay
-        steps = {k: g + decay * params[k] for k, g in grads.items()}
-        buffers = {k: self.hyper_momentum * momentum[k] + s for k, s in steps.items()}
-        new = {k: params[k] - self.hyper_lr * b for k, b in buffers.items()}
+        new, buffers = hypernet.momentum_step(  # clip_grad_norm_, as the authors
+            params,
+            grads,
+            momentum,
+            self.hyper_lr,
+            self.hyper_momentum,
+            self.hyper_weight_decay,
+            self.max_grad_norm,
+        )
         models = self.generate(new, new[EMBEDDINGS])
         return {"params": new, "momentum": buffers, "models": models}
 
