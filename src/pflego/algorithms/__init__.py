@@ -35,6 +35,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     local,
     mocha,
     moon,
+    pefll,
     perfedavg,
     pfedhn,
     pfedme,

@@ -82,6 +82,7 @@ from pflego.algorithms.base import Algorithm, register
 from pflego.fields import at_least, between, non_negative, positive, setting
 from pflego.local import train_steps
 from pflego.loss import masked_cross_entropy
+from pflego.models import SplitModel
 from pflego.rng import seed_for
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, ServerState
@@ -123,9 +124,7 @@ class PFedHN(Algorithm):
     @property
     def target_shapes(self) -> dict[str, tuple[int, ...]]:
         """The target network's entries and their shapes: ``init_params``'s body and C-way head."""
-        body = {f"body.{k}": tuple(v.shape) for k, v in self.model.body.named_parameters()}
-        classes, features = self.model.num_classes, self.model.feature_dim
-        return {**body, "head.weight": (classes, features), "head.bias": (classes,)}
+        return target_shapes(self.model)
 
     def embedding_size(self, num_clients: int) -> int:
         """e: ``embedding_dim``, or the authors' ``int(1 + I / 4)``."""
@@ -133,31 +132,15 @@ class PFedHN(Algorithm):
 
     def generate(self, hyper: Params, embeddings: Tensor) -> Params:
         """theta = h(v; phi) for embeddings ``[..., e]``: each target entry ``[..., *shape]``."""
-        f = embeddings @ hyper[HYPER + "in.weight"].T + hyper[HYPER + "in.bias"]
-        for j in range(self.hidden_layers):
-            w, b = hyper[f"{HYPER}hidden.{j}.weight"], hyper[f"{HYPER}hidden.{j}.bias"]
-            f = torch.relu(f) @ w.T + b
-        batch = embeddings.shape[:-1]
-        return {
-            k: (f @ hyper[f"{HYPER}out.{k}.weight"].T + hyper[f"{HYPER}out.{k}.bias"]).reshape(
-                *batch, *shape
-            )
-            for k, shape in self.target_shapes.items()
-        }
+        return generate(hyper, embeddings, self.target_shapes, self.hidden_layers)
 
     def init_hypernetwork(self, template: Params, ctx: RoundContext) -> Params:
         """phi with ``nn.Linear``'s initialization, seeded by the run's seed; an empty table."""
         first = next(iter(template.values()))
         gen = torch.Generator().manual_seed(seed_for(ctx.seed, 17))
-        e, h = self.embedding_size(ctx.num_clients), self.hidden_dim
-        layers = [("in", h, e)] + [(f"hidden.{j}", h, h) for j in range(self.hidden_layers)]
-        layers += [(f"out.{k}", math.prod(s), h) for k, s in self.target_shapes.items()]
-        hyper = {}
-        for name, fan_out, fan_in in layers:
-            bound = 1 / math.sqrt(fan_in)
-            for part, shape in (("weight", (fan_out, fan_in)), ("bias", (fan_out,))):
-                draw = torch.rand(shape, generator=gen, dtype=torch.float32) * 2 - 1
-                hyper[f"{HYPER}{name}.{part}"] = (bound * draw).to(first)
+        e = self.embedding_size(ctx.num_clients)
+        layers = hyper_layers(e, self.hidden_dim, self.hidden_layers, self.target_shapes)
+        hyper = init_linear(layers, gen, first)
         return {**hyper, EMBEDDINGS: first.new_zeros((0, e))}
 
     def hypernetwork(self, server: ServerState, ctx: RoundContext) -> tuple[Params, Params]:
@@ -272,3 +255,54 @@ class PFedHN(Algorithm):
         shift = {SHIFT: state[SHIFT]}
         trained, _, _ = train_steps(loss, shift, data, opt, opt.init(shift), ctx.client_lr)
         return {**state, **trained}
+
+
+def target_shapes(model: SplitModel) -> dict[str, tuple[int, ...]]:
+    """The entries of ``model``'s body and of a C-way head, with their shapes: what a
+    hypernetwork generates (pFedHN, PeFLL)."""
+    body = {f"body.{k}": tuple(v.shape) for k, v in model.body.named_parameters()}
+    return {
+        **body,
+        "head.weight": (model.num_classes, model.feature_dim),
+        "head.bias": (model.num_classes,),
+    }
+
+
+def hyper_layers(
+    embedding_dim: int, hidden_dim: int, hidden_layers: int, shapes: dict[str, tuple[int, ...]]
+) -> list[tuple[str, int, int]]:
+    """The hypernetwork's linear layers ``(name, fan_out, fan_in)``: ``in``, ``hidden.j`` and one
+    ``out.<entry>`` per target entry."""
+    layers = [(f"{HYPER}in", hidden_dim, embedding_dim)]
+    layers += [(f"{HYPER}hidden.{j}", hidden_dim, hidden_dim) for j in range(hidden_layers)]
+    return layers + [(f"{HYPER}out.{k}", math.prod(s), hidden_dim) for k, s in shapes.items()]
+
+
+def init_linear(layers: list[tuple[str, int, int]], gen: torch.Generator, like: Tensor) -> Params:
+    """``nn.Linear``'s initialization of each ``(name, fan_out, fan_in)``, in order: weights and
+    biases U(-1/sqrt(fan_in), 1/sqrt(fan_in)), drawn in float32 from ``gen``, cast as ``like``."""
+    params = {}
+    for name, fan_out, fan_in in layers:
+        bound = 1 / math.sqrt(fan_in)
+        for part, shape in (("weight", (fan_out, fan_in)), ("bias", (fan_out,))):
+            draw = torch.rand(shape, generator=gen, dtype=torch.float32) * 2 - 1
+            params[f"{name}.{part}"] = (bound * draw).to(like)
+    return params
+
+
+def generate(
+    hyper: Params, embeddings: Tensor, shapes: dict[str, tuple[int, ...]], hidden_layers: int
+) -> Params:
+    """theta = h(v; phi) for embeddings ``[..., e]``: ``Linear -> (ReLU -> Linear) x
+    hidden_layers``, then one linear head per target entry, reshaped to ``[..., *shape]``."""
+    f = embeddings @ hyper[HYPER + "in.weight"].T + hyper[HYPER + "in.bias"]
+    for j in range(hidden_layers):
+        w, b = hyper[f"{HYPER}hidden.{j}.weight"], hyper[f"{HYPER}hidden.{j}.bias"]
+        f = torch.relu(f) @ w.T + b
+    batch = embeddings.shape[:-1]
+    return {
+        k: (f @ hyper[f"{HYPER}out.{k}.weight"].T + hyper[f"{HYPER}out.{k}.bias"]).reshape(
+            *batch, *shape
+        )
+        for k, shape in shapes.items()
+    }
