@@ -29,6 +29,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     fedrecon,
     fedrep,
     fedrod,
+    flute,
     gpfl,
     knn_per,
     lgfedavg,
