@@ -19,6 +19,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     feddyn,
     fedem,
     fedfomo,
+    fedgen,
     fedlc,
     fednova,
     fedpac,
