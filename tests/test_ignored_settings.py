@@ -27,6 +27,7 @@ JOIN_REFUSED = {"fedavg", "fedprox", "feddyn", "cfl", "fedem", "d-fedem", "perfe
 JOIN_REFUSED |= {"scaffold", "fednova", "fedlc", "moon", "fedcac", "knn-per"}
 JOIN_REFUSED |= {"qffl", "fedadmm", "fedntd", "ifca", "elastic"}
 JOIN_REFUSED |= {"fedcross", "pfedla"}
+JOIN_REFUSED |= {"pefll", "fedgen"}
 #: Methods whose server rule is their own (no server optimizer, no server_lr), and Clustered FL
 #: and IFCA, which step by server_lr but with no other optimizer.
 SERVER_LR_REFUSED = {
@@ -47,6 +48,7 @@ SERVER_LR_REFUSED = {
     "fedmd",
     "pfedla",
     "pfedsim",
+    "pefll",
 }
 SERVER_OPTIMIZER_REFUSED = SERVER_LR_REFUSED | {"cfl", "ifca"}
 #: Per-FedAvg takes plain gradient steps; MOCHA its own SDCA steps (no optimizer, no decay).

@@ -124,9 +124,7 @@ class PFedHN(Algorithm):
     @property
     def target_shapes(self) -> dict[str, tuple[int, ...]]:
         """The target network's entries and their shapes: ``init_params``'s body and C-way head."""
-        body = {f"body.{k}": tuple(v.shape) for k, v in self.model.body.named_parameters()}
-        classes, features = self.model.num_classes, self.model.feature_dim
-        return {**body, "head.weight": (classes, features), "head.bias": (classes,)}
+        return hypernet.target_shapes(self.model)
 
     def embedding_size(self, num_clients: int) -> int:
         """e: ``embedding_dim``, or the authors' ``int(1 + I / 4)``."""
@@ -134,12 +132,7 @@ class PFedHN(Algorithm):
 
     def generate(self, hyper: Params, embeddings: Tensor) -> Params:
         """theta = h(v; phi) for embeddings ``[..., e]``: each target entry ``[..., *shape]``."""
-        f = hypernet.trunk(hyper, HYPER, embeddings, self.hidden_layers)
-        batch = embeddings.shape[:-1]
-        return {
-            k: hypernet.output(hyper, HYPER, k, f).reshape(*batch, *shape)
-            for k, shape in self.target_shapes.items()
-        }
+        return hypernet.generate(hyper, HYPER, embeddings, self.target_shapes, self.hidden_layers)
 
     def init_hypernetwork(self, template: Params, ctx: RoundContext) -> Params:
         """phi with ``nn.Linear``'s initialization, seeded by the run's seed; an empty table."""

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from pflego import tree
+from pflego.models.split import SplitModel
 from pflego.tree import Params
 
 
@@ -32,13 +33,44 @@ def init_hypernetwork(
     layers = [("in", hidden_dim, embedding_dim)]
     layers += [(f"hidden.{j}", hidden_dim, hidden_dim) for j in range(hidden_layers)]
     layers += [(f"out.{name}", units, hidden_dim) for name, units in outputs.items()]
+    return init_linear([(prefix + name, *sizes) for name, *sizes in layers], gen, like)
+
+
+def init_linear(layers: list[tuple[str, int, int]], gen: torch.Generator, like: Tensor) -> Params:
+    """``nn.Linear``'s initialization of each ``(name, fan_out, fan_in)``, in order: weights and
+    biases U(-1/sqrt(fan_in), 1/sqrt(fan_in)), drawn in float32 from ``gen``, cast as ``like``."""
     params = {}
     for name, fan_out, fan_in in layers:
         bound = 1 / math.sqrt(fan_in)
         for part, shape in (("weight", (fan_out, fan_in)), ("bias", (fan_out,))):
             draw = torch.rand(shape, generator=gen, dtype=torch.float32) * 2 - 1
-            params[f"{prefix}{name}.{part}"] = (bound * draw).to(like)
+            params[f"{name}.{part}"] = (bound * draw).to(like)
     return params
+
+
+def target_shapes(model: SplitModel) -> dict[str, tuple[int, ...]]:
+    """The entries of ``model``'s body and of a C-way head, with their shapes: what a
+    hypernetwork generates (pFedHN, PeFLL)."""
+    body = {f"body.{k}": tuple(v.shape) for k, v in model.body.named_parameters()}
+    return {
+        **body,
+        "head.weight": (model.num_classes, model.feature_dim),
+        "head.bias": (model.num_classes,),
+    }
+
+
+def generate(
+    hyper: Params,
+    prefix: str,
+    embeddings: Tensor,
+    shapes: dict[str, tuple[int, ...]],
+    hidden_layers: int,
+) -> Params:
+    """theta = h(v; phi) for embeddings ``[..., e]``: the trunk's features through the output
+    layer of each target entry, reshaped to ``[..., *shape]``."""
+    f = trunk(hyper, prefix, embeddings, hidden_layers)
+    batch = embeddings.shape[:-1]
+    return {k: output(hyper, prefix, k, f).reshape(*batch, *shape) for k, shape in shapes.items()}
 
 
 def trunk(hyper: Params, prefix: str, embeddings: Tensor, hidden_layers: int) -> Tensor:

@@ -64,4 +64,4 @@ def build_model(
         ) from None
     for p in body.parameters():
         p.requires_grad_(False)
-    return SplitModel(body, dim, num_classes, max_local_classes, name)
+    return SplitModel(body, dim, num_classes, max_local_classes, name, tuple(input_shape))

@@ -31,6 +31,7 @@ class SplitModel:
         num_classes: C, the width of a head shared by all clients.
         max_local_classes: K_max, the width of a personal head over a client's own classes.
         name: Architecture name.
+        input_shape: The shape of one input (without the batch axis); ``()`` where not known.
     """
 
     body: nn.Module
@@ -38,6 +39,7 @@ class SplitModel:
     num_classes: int
     max_local_classes: int
     name: str = ""
+    input_shape: tuple[int, ...] = ()
 
     def init_body(self, seed: int, dtype: torch.dtype = torch.float32) -> Params:
         """Freshly initialized body parameters (PyTorch's default initializers, seeded)."""
