@@ -105,9 +105,14 @@ def test_records_round_trip_is_exact():
 # --- the Flower path equals the simulator -----------------------------------------------------
 
 
-#: Flower's rounds are client-server: algorithms that mix client states peer to peer are refused
-#: (tests/test_dfedem.py).
-CLIENT_SERVER = [name for name in sorted(ALGORITHMS) if ALGORITHMS[name].mix is Algorithm.mix]
+#: Flower's rounds are client-server: algorithms that mix client states peer to peer
+#: (tests/test_dfedem.py) or calibrate on every client's statistics (tests/test_feature_heads.py)
+#: are refused.
+CLIENT_SERVER = [
+    name
+    for name in sorted(ALGORITHMS)
+    if ALGORITHMS[name].mix is Algorithm.mix and ALGORITHMS[name].calibrate is Algorithm.calibrate
+]
 #: The simulator's population metrics of a client-server algorithm (tests/test_pgfed_comparators.py).
 POPULATION_METRICS = {"apfl": {"alpha_mean", "alpha_min", "alpha_max"}}
 

@@ -3,6 +3,7 @@
 from pflego.algorithms import (  # noqa: F401  (registration)
     apfl,
     apple,
+    ccvr,
     cfl,
     dfedem,
     ditto,

@@ -1,0 +1,161 @@
+"""The head, feature and prototype methods of issue 38 (FedGH, ...): each defining update, its
+``predict`` and its ``join`` against a hand-written float64 reference.
+
+The references use only torch autograd on the MLP written out by hand (``test_classic``'s
+``features`` / ``logits``; no library training loop, loss, tree algebra or optimizer) and run
+client by client on the ragged clients of ``test_fast_sim`` (sizes 3..14, one to three classes
+each) with partial participation and ragged local steps; the library runs the real round loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_classic import EPOCHS, assert_close, features, gradient, logits, round_inputs, steps_of
+from test_fast_sim import ragged_experiment
+from test_prototypes import descend
+
+from pflego.sim import Simulation
+
+C = 4  # classes of the ragged dataset
+BODY = ("body.1.weight", "body.1.bias")
+HEAD = ("head.weight", "head.bias")
+
+
+def part(p: dict, keys) -> dict:
+    return {k: p[k] for k in keys}
+
+
+def ce(p, x, y):
+    return F.cross_entropy(logits(p, x), y)
+
+
+def new_client(sim: Simulation, t: int):
+    """A first-visit state, the evaluation downlink and a client's data in round t (as for a
+    client that never trained: ``join``'s inputs)."""
+    ctx, cohort = sim.context(t), sim.cohort(t)
+    data = sim.round_inputs(t, cohort).client(0)
+    downlink = sim.algorithm.downlink(sim.server, ctx)
+    return sim.init_state(int(cohort[0]), downlink, ctx), downlink, data, ctx
+
+
+# --- CCVR -------------------------------------------------------------------------------------
+
+SAMPLES, BATCH, CALIBRATION_EPOCHS = 7, 5, 2
+
+
+def fedavg_rounds(sim: Simulation, rounds: int) -> dict:
+    """FedAvg's rounds by hand (N_i-weighted mean of the trained models)."""
+    w = {k: v.clone() for k, v in sim.server["params"].items()}
+    for t in range(rounds):
+        cohort, start, clients = round_inputs(sim, t)
+        assert_close(start, w)
+        trained = [descend(w, ce, steps_of(d)) for d in clients]
+        sizes = [float(len(d.y)) for d in clients]
+        w = {k: sum(n * p[k] for n, p in zip(sizes, trained, strict=True)) / sum(sizes) for k in w}
+        sim.run_round(t)
+    return w
+
+
+def class_gaussians(w: dict, clients) -> tuple[dict, dict]:
+    """mu_c and Sigma_c pooled from each client's class means and unbiased covariances by the
+    paper's formula (Sec. 4.2), for the classes with N_c > 1."""
+    local = []  # (class, N_ck, mu_ck, Sigma_ck)
+    for data in clients:
+        z = features(w, data.x).detach()
+        for c in data.y.unique().tolist():
+            zc = z[data.y == c]
+            cov = torch.cov(zc.T) if len(zc) > 1 else torch.zeros(z.shape[1], z.shape[1]).double()
+            local.append((c, len(zc), zc.mean(0), cov))
+    means, covs = {}, {}
+    for c in range(C):
+        held = [(n, mu, cov) for j, n, mu, cov in local if j == c]
+        total = sum(n for n, _, _ in held)
+        if total < 2:
+            continue
+        mu = sum(n / total * m for n, m, _ in held)
+        sigma = sum(
+            (n - 1) / (total - 1) * s + n / (total - 1) * torch.outer(m, m) for n, m, s in held
+        )
+        means[c], covs[c] = mu, sigma - total / (total - 1) * torch.outer(mu, mu)
+    return means, covs
+
+
+def test_ccvr_calibrates_the_classifier_on_virtual_features_before_evaluating():
+    from pflego.algorithms.ccvr import CALIBRATION_STREAM
+    from pflego.rng import seed_for
+
+    options = {
+        "samples_per_class": SAMPLES,
+        "calibration_batch_size": BATCH,
+        "calibration_epochs": CALIBRATION_EPOCHS,
+    }
+    sim = Simulation(ragged_experiment("ccvr", options=options, **EPOCHS), None)
+    w = fedavg_rounds(sim, 3)
+    everyone = np.arange(sim.exp.data.num_clients)
+    inputs = sim.round_inputs(3, everyone)
+    means, covs = class_gaussians(w, [inputs.client(c) for c in range(len(everyone))])
+    assert 1 < len(means) <= C
+
+    ctx = sim.context(3)
+    algorithm = sim.algorithm
+    downlink = algorithm.downlink(sim.server, ctx)
+    totals = None
+    for c in range(len(everyone)):
+        part_ = algorithm.statistics(downlink, inputs.client(c), ctx)
+        totals = part_ if totals is None else {k: totals[k] + part_[k] for k in part_}
+    z, y = algorithm.virtual_features(totals, ctx)
+    # the draws: mu_c + L_c e with L_c = Sigma_c^(1/2) (eigenvalues below sqrt(eps) of the
+    # largest dropped), e ~ N(0, I) from the run's stream
+    noise = torch.randn(
+        C,
+        SAMPLES,
+        z.shape[1],
+        generator=torch.Generator().manual_seed(seed_for(sim.cfg.seed, CALIBRATION_STREAM, 3)),
+        dtype=torch.float64,
+    )
+    expected = []
+    for c in sorted(means):
+        values, vectors = torch.linalg.eigh(covs[c])
+        kept = torch.where(values > values[-1] * 2.0**-26, values, 0.0)
+        root = vectors @ torch.diag(kept.sqrt()) @ vectors.T
+        torch.testing.assert_close(root @ root, covs[c], rtol=0, atol=1e-6 * float(values[-1]))
+        expected.append(means[c] + noise[c] @ root)
+    torch.testing.assert_close(z, torch.cat(expected), rtol=1e-6, atol=1e-7)
+    assert y.tolist() == [c for c in sorted(means) for _ in range(SAMPLES)]
+
+    # the classifier retrained by SGD on shuffled minibatches of the virtual features
+    order_gen = torch.Generator().manual_seed(seed_for(sim.cfg.seed, CALIBRATION_STREAM, 3, 1))
+    head = part(w, HEAD)
+    for _ in range(CALIBRATION_EPOCHS):
+        for batch in torch.randperm(len(y), generator=order_gen).split(BATCH):
+            g = gradient(
+                lambda h, f, t: F.cross_entropy(f @ h["head.weight"].T + h["head.bias"], t),
+                head,
+                z[batch],
+                y[batch],
+            )
+            head = {k: v - sim.cfg.client_lr * g[k] for k, v in head.items()}
+    calibrated = {**part(w, BODY), **head}
+    assert float((head["head.weight"] - w["head.weight"]).abs().max()) > 1e-3
+
+    # evaluation predicts with the calibrated model; the server keeps FedAvg's
+    record = sim.evaluate(3)
+    accuracies = []
+    for i in everyone:
+        x, labels = sim.pools["test"].own(int(i))
+        if len(labels):
+            accuracies.append(float((logits(calibrated, x).argmax(-1) == labels).double().mean()))
+    assert record["test_acc"] == pytest.approx(sum(accuracies) / len(accuracies), abs=1e-12)
+    assert_close(sim.server["params"], w)
+
+
+def test_flower_refuses_an_algorithm_that_calibrates_in_one_line():
+    from pflego.config import load_config
+    from pflego.errors import ConfigError
+    from pflego.flower.unsupported import refuse_unsupported
+
+    with pytest.raises(ConfigError, match="ccvr calibrates"):
+        refuse_unsupported(load_config({"algorithm": "ccvr", "dataset": "tiny"}))
