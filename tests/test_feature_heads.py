@@ -41,6 +41,72 @@ def new_client(sim: Simulation, t: int):
     return sim.init_state(int(cohort[0]), downlink, ctx), downlink, data, ctx
 
 
+# --- FedGH ------------------------------------------------------------------------------------
+
+SERVER_LR, HEAD_STEPS = 0.5, 2
+
+
+def class_means(p: dict, x, y) -> dict[int, torch.Tensor]:
+    z = features(p, x).detach()
+    return {int(j): z[y == j].mean(0) for j in y.unique()}
+
+
+def test_fedgh_trains_the_global_header_on_the_uploaded_prototypes():
+    options = {"head_steps": HEAD_STEPS}
+    settings = {"options": options, "server_lr": SERVER_LR, **EPOCHS}
+    sim = Simulation(ragged_experiment("fedgh", **settings), None)
+    f0 = {k: v.clone() for k, v in sim.server["body"].items()}
+    head = {k: v.clone() for k, v in sim.server["params"].items()}
+    bodies: dict[int, dict] = {}
+    revisits = 0
+    for t in range(4):
+        cohort, start, clients = round_inputs(sim, t)
+        assert_close(start, head)
+        pairs = []
+        for i, data in zip(cohort, clients, strict=True):
+            revisits += i in bodies
+            trained = descend({**bodies.get(i, f0), **head}, ce, steps_of(data))
+            bodies[i] = part(trained, BODY)
+            pairs += list(class_means(trained, data.x, data.y).items())
+        for _ in range(HEAD_STEPS):  # the server's header on the (prototype, class) pairs
+            protos = torch.stack([p for _, p in pairs])
+            labels = torch.tensor([j for j, _ in pairs])
+            g = gradient(
+                lambda h, z, y: F.cross_entropy(z @ h["head.weight"].T + h["head.bias"], y),
+                head,
+                protos,
+                labels,
+            )
+            head = {k: v - SERVER_LR * g[k] for k, v in head.items()}
+        sim.run_round(t)
+        assert_close(sim.server["params"], head)
+        assert_close(sim.server["body"], f0)
+        for i in cohort:
+            assert_close(sim.store.get(i), bodies[i])
+    assert revisits > 0
+
+    # predict: the client's own extractor with the global header
+    downlink = sim.algorithm.downlink(sim.server, sim.context(4))
+    x = torch.randn(6, 1, 3, 3, dtype=torch.float64)
+    i = cohort[0]
+    torch.testing.assert_close(
+        sim.algorithm.predict(downlink, sim.store.get(i), x), logits({**bodies[i], **head}, x)
+    )
+
+
+def test_a_new_fedgh_client_trains_its_extractor_and_predicts_with_the_global_header():
+    sim = Simulation(ragged_experiment("fedgh", **EPOCHS), None)
+    sim.run_round(0)
+    state, downlink, data, ctx = new_client(sim, 1)
+    head = part(sim.server["params"], HEAD)
+    trained = descend({**part(sim.server["body"], BODY), **head}, ce, steps_of(data))
+    joined = sim.algorithm.join(downlink, state, data, ctx)
+    assert_close(joined, part(trained, BODY))
+    torch.testing.assert_close(
+        sim.algorithm.predict(downlink, joined, data.x), logits({**trained, **head}, data.x)
+    )
+
+
 # --- CCVR -------------------------------------------------------------------------------------
 
 SAMPLES, BATCH, CALIBRATION_EPOCHS = 7, 5, 2

@@ -20,6 +20,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     feddyn,
     fedem,
     fedfomo,
+    fedgh,
     fedlc,
     fednova,
     fedpac,
