@@ -225,3 +225,111 @@ def test_flower_refuses_an_algorithm_that_calibrates_in_one_line():
 
     with pytest.raises(ConfigError, match="ccvr calibrates"):
         refuse_unsupported(load_config({"algorithm": "ccvr", "dataset": "tiny"}))
+
+
+# --- FedPCL -----------------------------------------------------------------------------------
+
+TAU = 0.5
+
+
+def unit_features(p: dict, x) -> torch.Tensor:
+    z = features(p, x)
+    return z / z.norm(dim=-1, keepdim=True)
+
+
+def pcl_loss(glob: dict, table: dict, population: int):
+    """L_g + L_p with the prototype sets written out as dicts class -> prototype: client k's set
+    is its own prototypes, the global ones for its missing classes (and for a client not yet
+    heard from); a class absent from a set is out of its softmax."""
+    sets = [{**glob, **table.get(k, {})} for k in range(population)]
+
+    def term(z, label, protos: dict):
+        if label not in protos:
+            return z.sum() * 0
+        classes = sorted(protos)
+        sims = torch.stack([z @ protos[c] for c in classes]) / TAU
+        return -torch.log_softmax(sims, 0)[classes.index(label)]
+
+    def loss(p, x, y):
+        z = unit_features(p, x)
+        values = [
+            term(z[s], int(label), glob) + sum(term(z[s], int(label), q) for q in sets) / len(sets)
+            for s, label in enumerate(y)
+        ]
+        return sum(values) / len(values)
+
+    return loss
+
+
+def unit_prototypes(p: dict, x, y) -> dict[int, torch.Tensor]:
+    z = unit_features(p, x).detach()
+    return {int(j): z[y == j].mean(0) for j in y.unique()}
+
+
+def pcl_train(start: dict, glob: dict, table: dict, population: int, data) -> dict:
+    if not glob:  # no prototype yet: the loss is 0, nothing moves
+        return {k: v.clone() for k, v in start.items()}
+    return descend(start, pcl_loss(glob, table, population), steps_of(data))
+
+
+def pcl_logits(p: dict, own: dict, x) -> torch.Tensor:
+    z = unit_features(p, x)
+    return torch.stack(
+        [z @ own[c] if c in own else torch.full((len(x),), -2.0).double() for c in range(C)], -1
+    )
+
+
+def test_fedpcl_contrasts_features_with_global_and_every_clients_local_prototypes():
+    settings = {"options": {"tau": TAU}, **EPOCHS}
+    sim = Simulation(ragged_experiment("fedpcl", **settings), None)
+    population = sim.exp.data.num_clients
+    f0 = {k: v.clone() for k, v in sim.server["params"].items()}
+    bodies: dict[int, dict] = {}
+    table: dict[int, dict] = {}
+    glob: dict[int, torch.Tensor] = {}
+    revisits, partial = 0, False
+    for t in range(4):
+        cohort, start, clients = round_inputs(sim, t)
+        assert_close(start, f0)
+        uploads = {}
+        for i, data in zip(cohort, clients, strict=True):
+            revisits += i in bodies
+            bodies[i] = pcl_train(bodies.get(i, f0), glob, table, population, data)
+            uploads[i] = unit_prototypes(bodies[i], data.x, data.y)
+        new = {
+            j: sum(u[j] for u in uploads.values() if j in u) / sum(j in u for u in uploads.values())
+            for j in range(C)
+            if any(j in u for u in uploads.values())
+        }
+        partial |= bool(glob) and len(new) < C
+        glob, table = {**glob, **new}, {**table, **uploads}
+        sim.run_round(t)
+        protos = sim.server["protos"]
+        assert protos["present"].tolist() == [float(j in glob) for j in range(C)]
+        for j, m in glob.items():
+            torch.testing.assert_close(protos["mean"][j], m, rtol=1e-9, atol=1e-11)
+        for k, own in table.items():
+            assert protos["held"][k].tolist() == [float(j in own) for j in range(C)]
+            for j, m in own.items():
+                torch.testing.assert_close(protos["table"][k, j], m, rtol=1e-9, atol=1e-11)
+        for i in cohort:
+            assert_close(part(sim.store.get(i), BODY), bodies[i])
+    assert revisits > 0 and partial and len(glob) == C
+
+    # predict: the nearest of the client's own prototypes in inner product
+    i = cohort[0]
+    downlink = sim.algorithm.downlink(sim.server, sim.context(4))
+    x = torch.randn(6, 1, 3, 3, dtype=torch.float64)
+    torch.testing.assert_close(
+        sim.algorithm.predict(downlink, sim.store.get(i), x), pcl_logits(bodies[i], table[i], x)
+    )
+
+    # join: f^0 trained on the same loss, then its own prototypes
+    state, downlink, data, ctx = new_client(sim, 4)
+    trained = pcl_train(f0, glob, table, population, data)
+    own = unit_prototypes(trained, data.x, data.y)
+    joined = sim.algorithm.join(downlink, state, data, ctx)
+    assert_close(part(joined, BODY), trained)
+    torch.testing.assert_close(
+        sim.algorithm.predict(downlink, joined, data.x), pcl_logits(trained, own, data.x)
+    )

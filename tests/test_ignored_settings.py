@@ -39,6 +39,7 @@ SERVER_LR_REFUSED = {
     "fedproto",
     "pfedhn",
 }
+SERVER_LR_REFUSED |= {"fedpcl"}
 SERVER_OPTIMIZER_REFUSED = SERVER_LR_REFUSED | {"cfl"}
 #: Per-FedAvg takes plain gradient steps; MOCHA its own SDCA steps (no optimizer, no decay).
 CLIENT_OPTIMIZER_REFUSED = {"perfedavg", "mocha"}
@@ -69,6 +70,7 @@ def refused(name: str, setting: str) -> set[str]:
 #: Methods whose first round trains nothing that is kept (FedDBE's round 0 only measures the
 #: clients' feature mean), so settings show from the second round on.
 ROUNDS = {"feddbe": 2}
+ROUNDS |= {"fedpcl": 2}  # FedPCL's round 0 only computes prototypes (none exist to train on)
 #: Methods whose settings show only on a model of their own (FedBN's new clients train their
 #: batch-norm layers; a model without them makes FedBN FedAvg).
 MODELS = {"fedbn": {"model": "mlp-bn"}}

@@ -24,6 +24,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     fedlc,
     fednova,
     fedpac,
+    fedpcl,
     fedper,
     fedphp,
     fedproto,
