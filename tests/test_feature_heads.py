@@ -333,3 +333,89 @@ def test_fedpcl_contrasts_features_with_global_and_every_clients_local_prototype
     torch.testing.assert_close(
         sim.algorithm.predict(downlink, joined, data.x), pcl_logits(trained, own, data.x)
     )
+
+
+# --- FedAH ------------------------------------------------------------------------------------
+
+ETA_AH = 0.7
+
+
+def schedule_steps(data, name: str) -> list:
+    """The (x, y) of every real step of one of the client's named schedules."""
+    batches, batch_mask = data.schedules[name]
+    return [
+        (data.x[row[m > 0]], data.y[row[m > 0]])
+        for row, m in zip(batches, batch_mask, strict=True)
+        if m.sum() > 0
+    ]
+
+
+def head_ce(body: dict):
+    return lambda h, x, y: F.cross_entropy(logits({**body, **h}, x), y)
+
+
+def fedah_client(glob: dict, own: dict | None, weights: dict | None, data):
+    """Aggregated head (W learned by projected steps), head phase, body phase."""
+    body, g_head = part(glob, BODY), part(glob, HEAD)
+    local = g_head if own is None else own
+    w = weights or {k: torch.ones_like(v) for k, v in g_head.items()}
+    diff = {k: g_head[k] - local[k] for k in HEAD}
+    for x, y in schedule_steps(data, "head"):
+        hat = {k: local[k] + diff[k] * w[k] for k in HEAD}
+        g = gradient(head_ce(body), hat, x, y)
+        w = {k: (w[k] - ETA_AH * g[k] * diff[k]).clamp(0, 1) for k in HEAD}
+    head = {k: local[k] + diff[k] * w[k] for k in HEAD}
+    head = descend(head, head_ce(body), schedule_steps(data, "head"))
+    trained = descend(
+        body, lambda b, x, y: F.cross_entropy(logits({**b, **head}, x), y), steps_of(data)
+    )
+    return trained, head, w
+
+
+def test_fedah_aggregates_own_and_global_heads_element_wise_then_trains_head_and_body():
+    settings = {"options": {"eta": ETA_AH, "head_epochs": 1.0}, **EPOCHS}
+    sim = Simulation(ragged_experiment("fedah", **settings), None)
+    glob = {k: v.clone() for k, v in sim.server["params"].items()}
+    heads: dict[int, dict] = {}
+    weights: dict[int, dict] = {}
+    moved = 0.0
+    for t in range(4):
+        cohort, start, clients = round_inputs(sim, t)
+        assert_close(start, glob)
+        models, sizes = [], []
+        for i, data in zip(cohort, clients, strict=True):
+            body, head, w = fedah_client(glob, heads.get(i), weights.get(i), data)
+            if i in weights:
+                moved = max(moved, float(min((w[k] - 1).abs().max() for k in HEAD)))
+            heads[i], weights[i] = head, w
+            models.append({**body, **head})
+            sizes.append(float(len(data.y)))
+        glob = {
+            k: sum(n * m[k] for n, m in zip(sizes, models, strict=True)) / sum(sizes) for k in glob
+        }
+        sim.run_round(t)
+        assert_close(sim.server["params"], glob)
+        for i in cohort:
+            state = sim.store.get(i)
+            assert_close({k: state[f"local.{k}"] for k in HEAD}, heads[i])
+            assert_close({k: state[f"weights.{k}"] for k in HEAD}, weights[i])
+    assert moved > 1e-3  # the weights were learned, not left at one
+
+    # predict: the global extractor with the client's own head
+    i = cohort[0]
+    downlink = sim.algorithm.downlink(sim.server, sim.context(4))
+    x = torch.randn(6, 1, 3, 3, dtype=torch.float64)
+    torch.testing.assert_close(
+        sim.algorithm.predict(downlink, sim.store.get(i), x),
+        logits({**part(glob, BODY), **heads[i]}, x),
+    )
+
+    # join: the global head trained on the frozen global extractor's features
+    state, downlink, data, ctx = new_client(sim, 4)
+    torch.testing.assert_close(sim.algorithm.predict(downlink, state, x), logits(glob, x))
+    expected = descend(part(glob, HEAD), head_ce(part(glob, BODY)), steps_of(data))
+    joined = sim.algorithm.join(downlink, state, data, ctx)
+    assert_close({k: joined[f"local.{k}"] for k in HEAD}, expected)
+    torch.testing.assert_close(
+        sim.algorithm.predict(downlink, joined, x), logits({**part(glob, BODY), **expected}, x)
+    )

@@ -7,6 +7,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     cfl,
     dfedem,
     ditto,
+    fedah,
     fedala,
     fedamp,
     fedas,
