@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_classic import EPOCHS, assert_close, features, gradient, logits, round_inputs, steps_of
+from test_classic import (
+    EPOCHS,
+    LR,
+    assert_close,
+    features,
+    gradient,
+    logits,
+    round_inputs,
+    steps_of,
+)
 from test_fast_sim import ragged_experiment
 from test_prototypes import descend
 
@@ -419,3 +428,93 @@ def test_fedah_aggregates_own_and_global_heads_element_wise_then_trains_head_and
     torch.testing.assert_close(
         sim.algorithm.predict(downlink, joined, x), logits({**part(glob, BODY), **expected}, x)
     )
+
+
+# --- FedGC ------------------------------------------------------------------------------------
+
+LAM_GC = 0.5
+
+
+def restricted_ce(classes: list[int], fixed: dict | None = None):
+    """Softmax cross-entropy over the client's own classes only."""
+
+    def loss(p, x, y):
+        out = logits({**p, **(fixed or {})}, x)[:, classes]
+        return F.cross_entropy(out, torch.tensor([classes.index(int(c)) for c in y]))
+
+    return loss
+
+
+def gc_regularizer(weights: dict[int, torch.Tensor], held: dict[int, list[int]]):
+    """PFLlib's reg_train with plain loops: a term per (client, held class)."""
+    e = {
+        c: (
+            sum(weights[k][c] for k in held if c in held[k]) / sum(c in held[k] for k in held)
+        ).detach()
+        for c in range(C)
+        if any(c in held[k] for k in held)
+    }
+    total = 0
+    for k in held:
+        for c in held[k]:
+            own = torch.exp(e[c] @ e[c])
+            rivals = sum(
+                torch.exp(weights[j][d] @ e[c]) for j in held if c not in held[j] for d in held[j]
+            )
+            total = total - torch.log(own / (own + rivals))
+    return total
+
+
+def test_fedgc_corrects_every_clients_class_embeddings_with_the_cross_client_regularizer():
+    settings = {"options": {"lam": LAM_GC}, **EPOCHS}
+    sim = Simulation(ragged_experiment("fedgc", **settings), None)
+    theta = {k: v.clone() for k, v in sim.server["params"].items()}
+    phi0 = {k: v.clone() for k, v in sim.server["head"].items()}
+    heads: dict[int, dict] = {}
+    held: dict[int, list[int]] = {}
+    revisits = 0
+    for t in range(4):
+        cohort, start, clients = round_inputs(sim, t)
+        assert_close(start, theta)
+        bodies, sizes = [], []
+        for i, data in zip(cohort, clients, strict=True):
+            revisits += i in heads
+            classes = sorted(set(data.y.tolist()))
+            w = descend({**theta, **heads.get(i, phi0)}, restricted_ce(classes), steps_of(data))
+            bodies.append(part(w, BODY))
+            sizes.append(float(len(data.y)))
+            heads[i], held[i] = part(w, HEAD), classes
+        theta = {
+            k: sum(n * b[k] for n, b in zip(sizes, bodies, strict=True)) / sum(sizes) for k in theta
+        }
+        weights = {k: h["head.weight"].detach().requires_grad_(True) for k, h in heads.items()}
+        grads = torch.autograd.grad(gc_regularizer(weights, held), list(weights.values()))
+        for k, g in zip(weights, grads, strict=True):
+            heads[k] = {**heads[k], "head.weight": heads[k]["head.weight"] - LR * LAM_GC * g}
+        sim.run_round(t)
+        assert_close(sim.server["params"], theta)
+        table = sim.server["gc"]
+        for k, head in heads.items():
+            assert_close({n: table[n][k] for n in HEAD}, head)
+            assert table["held"][k].tolist() == [float(c in held[k]) for c in range(C)]
+        assert float(max(g.abs().max() for g in grads)) > 1e-6  # the step moved the heads
+    assert revisits > 0
+
+    # predict: theta with the client's own head, over its own classes
+    i = cohort[0]
+    ids = torch.as_tensor([i])
+    downlink = {k: v[0] for k, v in sim.algorithm.downlink(sim.server, sim.context(4), ids).items()}
+    x = torch.randn(6, 1, 3, 3, dtype=torch.float64)
+    own = torch.tensor([c in held[i] for c in range(C)])
+    expected = torch.where(own, logits({**theta, **heads[i]}, x), torch.finfo(x.dtype).min)
+    torch.testing.assert_close(sim.algorithm.predict(downlink, {}, x), expected)
+
+    # join: phi^0 trained on the frozen global backbone's features over the client's classes
+    state, downlink, data, ctx = new_client(sim, 4)
+    classes = sorted(set(data.y.tolist()))
+    head = descend(phi0, restricted_ce(classes, theta), steps_of(data))
+    joined = sim.algorithm.join(downlink, state, data, ctx)
+    assert_close(part(joined, HEAD), head)
+    own = torch.tensor([c in classes for c in range(C)])
+    expected = torch.where(own, logits({**theta, **head}, x), torch.finfo(x.dtype).min)
+    torch.testing.assert_close(sim.algorithm.predict(downlink, joined, x), expected)

@@ -21,6 +21,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     feddyn,
     fedem,
     fedfomo,
+    fedgc,
     fedgh,
     fedlc,
     fednova,
