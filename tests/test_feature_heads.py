@@ -518,3 +518,101 @@ def test_fedgc_corrects_every_clients_class_embeddings_with_the_cross_client_reg
     own = torch.tensor([c in classes for c in range(C)])
     expected = torch.where(own, logits({**theta, **head}, x), torch.finfo(x.dtype).min)
     torch.testing.assert_close(sim.algorithm.predict(downlink, joined, x), expected)
+
+
+# --- pFedFDA ----------------------------------------------------------------------------------
+
+EPS_FDA, FOLDS, BETAS = 0.05, 2, 5
+
+
+def lda(mean, cov, prior) -> dict:
+    m = cov.shape[0]
+    shrunk = (1 - EPS_FDA) * cov + EPS_FDA * torch.trace(cov) / m * torch.eye(m).double()
+    weight = (torch.linalg.inv(shrunk) @ mean.T).T
+    bias = torch.stack([-0.5 * mean[c] @ weight[c] for c in range(len(mean))]) + prior.log()
+    return {"head.weight": weight, "head.bias": bias}
+
+
+def class_prior(y) -> torch.Tensor:
+    counts = torch.tensor([float((y == c).sum()) for c in range(C)]).double()
+    smoothed = counts / len(y) + EPS_FDA
+    return smoothed / smoothed.sum()
+
+
+def mle(z, y, rows: list[int], glob_mean):
+    """Class means (classes with more than k of the rows; else the global mean), and the
+    scatter about them over len(rows) - 1, plus the identity."""
+    means = glob_mean.clone()
+    for c in range(C):
+        mine = [s for s in rows if int(y[s]) == c]
+        if len(mine) > FOLDS:
+            means[c] = z[mine].mean(0)
+    cov = torch.eye(z.shape[1]).double()
+    if rows:
+        gaps = torch.stack([z[s] - means[int(y[s])] for s in rows])
+        cov = gaps.T @ gaps / max(len(rows) - 1, 1) + cov
+    return means, cov
+
+
+def fda_statistics(body: dict, data, glob: tuple) -> tuple:
+    """beta by k-fold cross-validation on the grid, and the interpolated statistics."""
+    z = features(body, data.x).detach()
+    y, prior = data.y, class_prior(data.y)
+    seen: dict[int, int] = {}
+    rank = []
+    for label in y.tolist():
+        rank.append(seen.get(label, 0))
+        seen[label] = rank[-1] + 1
+    eligible = [s for s in range(len(y)) if seen[int(y[s])] >= FOLDS]
+    best, beta = None, 0.0
+    for b in torch.linspace(0, 1, BETAS).double().tolist():
+        total = 0.0
+        for f in range(FOLDS):
+            test = [s for s in eligible if rank[s] % FOLDS == f]
+            mean, cov = mle(z, y, [s for s in eligible if s not in test], glob[0])
+            head = lda(b * mean + (1 - b) * glob[0], b * cov + (1 - b) * glob[1], prior)
+            if test:
+                out = z[test] @ head["head.weight"].T + head["head.bias"]
+                total += float(F.cross_entropy(out, y[test]))
+        if best is None or total < best - 1e-12:
+            best, beta = total, b
+    mean, cov = mle(z, y, list(range(len(y))), glob[0])
+    return beta, beta * mean + (1 - beta) * glob[0], beta * cov + (1 - beta) * glob[1]
+
+
+def test_pfedfda_trains_under_the_global_gaussian_classifier_and_interpolates_statistics():
+    options = {"eps": EPS_FDA, "folds": FOLDS, "betas": BETAS}
+    sim = Simulation(ragged_experiment("pfedfda", options=options, **EPOCHS), None)
+    theta = {k: v.clone() for k, v in sim.server["params"].items()}
+    glob = (sim.server["gauss"]["gauss.mean"].clone(), sim.server["gauss"]["gauss.cov"].clone())
+    chosen = set()
+    for t in range(3):
+        cohort, start, clients = round_inputs(sim, t)
+        assert_close(start, theta)
+        bodies, stats, sizes = [], [], []
+        for data in clients:
+            head = lda(*glob, class_prior(data.y))
+            body = descend(theta, restricted_ce(list(range(C)), head), steps_of(data))
+            beta, mean, cov = fda_statistics(body, data, glob)
+            chosen.add(beta)
+            bodies.append(body)
+            stats.append((mean, cov))
+            sizes.append(float(len(data.y)))
+        share = [n / sum(sizes) for n in sizes]
+        theta = {k: sum(w * b[k] for w, b in zip(share, bodies, strict=True)) for k in theta}
+        glob = tuple(sum(w * s[j] for w, s in zip(share, stats, strict=True)) for j in (0, 1))
+        sim.run_round(t)
+        assert_close(sim.server["params"], theta)
+        assert_close(sim.server["gauss"], {"gauss.mean": glob[0], "gauss.cov": glob[1]})
+    assert len(chosen) > 1  # beta depends on the client
+
+    # adapt / join: the classifier of the client's interpolated statistics under theta
+    state, downlink, data, ctx = new_client(sim, 3)
+    _, mean, cov = fda_statistics(theta, data, glob)
+    head = lda(mean, cov, class_prior(data.y))
+    for personalize in (sim.algorithm.adapt, sim.algorithm.join):
+        adapted = personalize(downlink, state, data, ctx)
+        assert_close(adapted, head)
+        torch.testing.assert_close(
+            sim.algorithm.predict(downlink, adapted, data.x), logits({**theta, **head}, data.x)
+        )

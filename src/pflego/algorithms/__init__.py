@@ -41,6 +41,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     mocha,
     moon,
     perfedavg,
+    pfedfda,
     pfedhn,
     pfedme,
     pflego,
