@@ -131,7 +131,8 @@ def reference_test_accuracy(sim: Simulation, completed: int) -> float:
     """Mean over clients of each one's test accuracy, with the stored states, by hand."""
     data, algorithm = sim.exp.data, sim.algorithm
     ctx, everyone = sim.context(completed), np.arange(data.num_clients)
-    downlink = sim.downlink(ctx, everyone)
+    with sim.calibrated(completed):  # the server state evaluation predicts with (CCVR's)
+        downlink = sim.downlink(ctx, everyone)
     local = algorithm.label_space == "local"
     accuracies = []
     for i in everyone:

@@ -262,31 +262,32 @@ def _eval_reference(algorithm, downlink, state, x, y, lmask):
 def test_vectorized_evaluation_matches_per_client(name: str) -> None:
     sim = Simulation(ragged_experiment(name), None)
     sim.run_round(0)
-    ctx = sim.context(1)
-    downlink = sim.downlink(ctx, np.arange(len(SIZES)))  # shared, or stacked per client
-    states = sim.states(np.arange(len(SIZES)), downlink, ctx)
-    downlink_for = lambda ids: sim.downlink(ctx, ids)  # noqa: E731
-    _, rows = evaluate_pools(sim.algorithm, downlink_for, states, sim.pools, chunk_size=4)
-    data, local = sim.exp.data, sim.algorithm.label_space == "local"
-    for i, row in enumerate(rows):
-        state = {k: v[i] for k, v in states.items()}
-        lmask = sim.train_pool.label_masks[i]
-        te = data.test_slice(i)
-        y = (data.y_test_local if local else data.y_test)[te]
-        own = sim.one_downlink(downlink, i)
-        loss, acc = _eval_reference(
-            sim.algorithm, own, state, data.inputs(data.x_test[te]).double(), y, lmask
+    with sim.calibrated(1):  # the server state evaluation predicts with (CCVR's calibrated)
+        ctx = sim.context(1)
+        downlink = sim.downlink(ctx, np.arange(len(SIZES)))  # shared, or stacked per client
+        states = sim.states(np.arange(len(SIZES)), downlink, ctx)
+        downlink_for = lambda ids: sim.downlink(ctx, ids)  # noqa: E731
+        _, rows = evaluate_pools(sim.algorithm, downlink_for, states, sim.pools, chunk_size=4)
+        data, local = sim.exp.data, sim.algorithm.label_space == "local"
+        for i, row in enumerate(rows):
+            state = {k: v[i] for k, v in states.items()}
+            lmask = sim.train_pool.label_masks[i]
+            te = data.test_slice(i)
+            y = (data.y_test_local if local else data.y_test)[te]
+            own = sim.one_downlink(downlink, i)
+            loss, acc = _eval_reference(
+                sim.algorithm, own, state, data.inputs(data.x_test[te]).double(), y, lmask
+            )
+            assert row["test_loss"] == pytest.approx(loss, abs=1e-10)
+            assert row["test_acc"] == pytest.approx(acc, abs=1e-12)
+        legacy, _ = evaluate(
+            sim.algorithm,
+            downlink,
+            lambda i: sim.client_state(i, downlink, ctx),
+            data,
+            torch.float64,
+            sim.personalization(1),  # the same adapt (if any) as the simulator's evaluation
         )
-        assert row["test_loss"] == pytest.approx(loss, abs=1e-10)
-        assert row["test_acc"] == pytest.approx(acc, abs=1e-12)
-    legacy, _ = evaluate(
-        sim.algorithm,
-        downlink,
-        lambda i: sim.client_state(i, downlink, ctx),
-        data,
-        torch.float64,
-        sim.personalization(1),  # the same adapt (if any) as the simulator's evaluation
-    )
     assert legacy["train_loss"] == pytest.approx(sim.evaluate(1)["train_loss"], abs=1e-10)
 
 

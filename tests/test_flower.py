@@ -107,11 +107,14 @@ def test_records_round_trip_is_exact():
 
 #: Flower's rounds are client-server: algorithms that mix client states peer to peer are refused
 #: (tests/test_dfedem.py), and so are those that need public data on the server
-#: (tests/test_distillation.py).
+#: (tests/test_distillation.py) or calibrate on every client's statistics
+#: (tests/test_feature_heads.py).
 CLIENT_SERVER = [
     name
     for name in sorted(ALGORITHMS)
-    if ALGORITHMS[name].mix is Algorithm.mix and not ALGORITHMS[name].public_size
+    if ALGORITHMS[name].mix is Algorithm.mix
+    and not ALGORITHMS[name].public_size
+    and ALGORITHMS[name].calibrate is Algorithm.calibrate
 ]
 #: The simulator's population metrics of a client-server algorithm (tests/test_pgfed_comparators.py).
 POPULATION_METRICS = {"apfl": {"alpha_mean", "alpha_min", "alpha_max"}}

@@ -28,6 +28,7 @@ JOIN_REFUSED |= {"scaffold", "fednova", "fedlc", "moon", "fedcac", "knn-per"}
 JOIN_REFUSED |= {"qffl", "fedadmm", "fedntd", "ifca", "elastic"}
 JOIN_REFUSED |= {"fedcross", "pfedla"}
 JOIN_REFUSED |= {"pefll", "fedgen"}
+JOIN_REFUSED |= {"ccvr", "pfedfda"}
 #: Methods whose server rule is their own (no server optimizer, no server_lr), and Clustered FL
 #: and IFCA, which step by server_lr but with no other optimizer.
 SERVER_LR_REFUSED = {
@@ -51,6 +52,7 @@ SERVER_LR_REFUSED = {
     "pefll",
 }
 SERVER_OPTIMIZER_REFUSED = SERVER_LR_REFUSED | {"cfl", "ifca"}
+SERVER_LR_REFUSED |= {"fedpcl"}
 #: Per-FedAvg takes plain gradient steps; MOCHA its own SDCA steps (no optimizer, no decay).
 CLIENT_OPTIMIZER_REFUSED = {"perfedavg", "mocha"}
 WEIGHT_DECAY_REFUSED = {"mocha"}
@@ -80,6 +82,7 @@ def refused(name: str, setting: str) -> set[str]:
 #: Methods whose first round trains nothing that is kept (FedDBE's round 0 only measures the
 #: clients' feature mean), so settings show from the second round on.
 ROUNDS = {"feddbe": 2}
+ROUNDS |= {"fedpcl": 2}  # FedPCL's round 0 only computes prototypes (none exist to train on)
 #: Methods whose settings show only on a model of their own (FedBN's new clients train their
 #: batch-norm layers; a model without them makes FedBN FedAvg).
 MODELS = {"fedbn": {"model": "mlp-bn"}}

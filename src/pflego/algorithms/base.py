@@ -196,6 +196,23 @@ class Algorithm:
         evaluation: D-FedEM's consensus distance. Default: none."""
         return {}
 
+    def statistics(self, downlink: Params, data: ClientData, ctx: RoundContext) -> Params:
+        """A training client's summable statistics of its training split under the evaluation
+        downlink (CCVR's class-wise feature moments), which :meth:`calibrate` reads summed over
+        every training client. Default: none."""
+        return {}
+
+    def calibrate(self, server: ServerState, statistics: Params, ctx: RoundContext) -> ServerState:
+        """The server state an evaluation predicts with, from :meth:`statistics` summed over every
+        training client (CCVR's classifier retrained on virtual features); used for that
+        evaluation only and never stored. Default: the server state as it is."""
+        return server
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether evaluation calibrates the server state first (``calibrate`` is overridden)."""
+        return type(self).calibrate is not Algorithm.calibrate
+
     # --- client side --------------------------------------------------------------------------
 
     @property

@@ -1,7 +1,9 @@
 """What pflego's Flower adapter cannot run: the one check a Flower run's config passes first.
 
 Flower runs client-server rounds only: an algorithm that mixes client states peer to peer or
-needs public data on the server, a simulator-only setting (``unseen_fraction``, ``eval_train_samples``), or, under SecAgg+, an
+needs public data on the server, calibrates on every training client's statistics before
+evaluating (CCVR), a simulator-only setting (``unseen_fraction``, ``eval_train_samples``), or,
+under SecAgg+, an
 algorithm whose server step is not a weighted sum or central differential privacy (which clips
 every upload on the server) is refused with one line that says what to do instead.
 """
@@ -30,6 +32,12 @@ def refuse_unsupported(config: Config, secure: bool = False) -> None:
         raise ConfigError(
             f"{config.algorithm} needs public data that the run's server holds, which a Flower "
             "server (it holds no data) has not; run it with `pflego run`"
+        )
+    if cls.calibrate is not Algorithm.calibrate:
+        raise ConfigError(
+            f"{config.algorithm} calibrates on every training client's feature statistics "
+            "before each evaluation, which the Flower adapter does not gather; run it with "
+            "`pflego run`"
         )
     if secure:
         refuse_unless_sum(cls, config.algorithm)

@@ -3,7 +3,9 @@ unseen clients, and the ``metrics.jsonl`` record (the metrics themselves: :mod:`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import reduce
 from typing import Any
 
 import numpy as np
@@ -59,7 +61,7 @@ class Evaluation:
     def evaluate(self, completed: int) -> dict[str, Any]:
         """Evaluate every client (or the fixed sample ``eval_clients``), and every unseen client,
         and log one record."""
-        with self.profile.part("evaluate"):
+        with self.profile.part("evaluate"), self.calibrated(completed):
             summary, rows = self.evaluate_population(completed)
             summary |= self.population_summary()
             if self.unseen_pools is not None:
@@ -82,6 +84,29 @@ class Evaluation:
             if self.run_dir:
                 self.run_dir.log(record, rows)
         return record
+
+    @contextmanager
+    def calibrated(self, completed: int) -> Iterator[None]:
+        """Within it, the server state is the algorithm's ``calibrate`` of every training
+        client's ``statistics`` (the evaluation downlink over its whole training split, summed),
+        for an algorithm that calibrates (CCVR); the server's own state comes back after."""
+        if not self.algorithm.calibrates:
+            yield
+            return
+        ctx, ids = self.context(completed), np.arange(self.exp.data.num_clients)
+        downlink = self.algorithm.send(self.server, ctx, torch.as_tensor(ids), evaluation=True)
+        rng = lambda i, stream: adapt_rng(self.cfg.seed, completed, i, stream)  # noqa: E731
+        clients = self.pools["train"].cohort(ids, self.run_schedule, rng)
+        parts = (
+            self.algorithm.statistics(downlink.of(c), clients.client(c), ctx)
+            for c in range(len(ids))
+        )
+        own = self.server
+        self.server = self.algorithm.calibrate(own, reduce(tree.add, parts), ctx)
+        try:
+            yield
+        finally:
+            self.server = own
 
     def evaluate_population(self, completed: int) -> tuple[dict[str, float], list[dict]]:
         """Rows of the evaluated clients; a client whose state did not change since its last
