@@ -51,8 +51,8 @@ SERVER_LR_REFUSED = {
     "pfedsim",
     "pefll",
 }
-SERVER_OPTIMIZER_REFUSED = SERVER_LR_REFUSED | {"cfl", "ifca"}
 SERVER_LR_REFUSED |= {"fedpcl"}
+SERVER_OPTIMIZER_REFUSED = SERVER_LR_REFUSED | {"cfl", "ifca"}
 #: Per-FedAvg takes plain gradient steps; MOCHA its own SDCA steps (no optimizer, no decay).
 CLIENT_OPTIMIZER_REFUSED = {"perfedavg", "mocha"}
 WEIGHT_DECAY_REFUSED = {"mocha"}
