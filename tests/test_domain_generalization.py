@@ -1,0 +1,171 @@
+"""The domain-generalization methods (FedSR, FedIIR, ADCOL, Floco): each defining update against
+a hand-written float64 reference.
+
+The references use only torch autograd on the MLP written out by hand (``test_classic``'s
+``features`` / ``logits``; no library training loop, loss, tree algebra or optimizer) and run
+client by client on the ragged clients of ``test_fast_sim`` (sizes 3..14, one to three classes
+each) with partial participation; with ``local_epochs`` and a batch size the clients take
+different numbers of local steps. The library runs the real round loop (vmap backend) and the
+two must agree to rounding. Random draws (FedSR's eps) are inputs: the reference reads them from
+the library's counter-based generator with the key it finds in the client's state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from test_classic import (
+    EPOCHS,
+    LR,
+    assert_close,
+    ce,
+    descend,
+    features,
+    gradient,
+    logits,
+    round_inputs,
+    steps_of,
+)
+from test_fast_sim import ragged_experiment
+
+from pflego.rng import counter_normal, first_visit_generator
+from pflego.sim import Simulation
+
+
+def index_steps(data) -> list[torch.Tensor]:
+    """The sample indices of every real step of one client's unpadded schedule."""
+    return [row[m > 0] for row, m in zip(data.batches, data.batch_mask, strict=True) if m.sum() > 0]
+
+
+def weighted_mean(models: list[dict], sizes: list[float]) -> dict:
+    return {
+        k: sum(n * w[k] for n, w in zip(sizes, models, strict=True)) / sum(sizes) for k in models[0]
+    }
+
+
+# --- FedSR ------------------------------------------------------------------------------------
+
+L2R, CMI = 0.05, 0.02
+
+
+def gaussian(p: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """mu(x) and sigma(x): the map after the body, split in halves, softplus + 1e-6 on the second."""
+    out = features(p, x) @ p["sr.map.weight"].T + p["sr.map.bias"]
+    m = out.shape[1] // 2
+    return out[:, :m], F.softplus(out[:, m:]) + 1e-6
+
+
+def fedsr_loss(eps: torch.Tensor):
+    """CE(h(mu + sigma eps)) + L2R mean ||z||^2 + CMI mean KL(N(mu, sigma) || N(r_mu_y, r_sigma_y))."""
+
+    def loss(p, x, y, rows):
+        mu, sigma = gaussian(p, x)
+        z = mu + sigma * eps[rows]
+        total = F.cross_entropy(z @ p["head.weight"].T + p["head.bias"], y)
+        for s in range(len(y)):
+            r_mu = p["sr.r_mu"][y[s]]
+            r_sigma = F.softplus(p["sr.r_sigma"][y[s]]) + 1e-6
+            kl = (
+                torch.log(r_sigma / sigma[s])
+                + (sigma[s] ** 2 + (mu[s] - r_mu) ** 2) / (2 * r_sigma**2)
+                - 0.5
+            ).sum()
+            total = total + (L2R * (z[s] ** 2).sum() + CMI * kl) / len(y)
+        return total
+
+    return loss
+
+
+def test_fedsr_trains_a_probabilistic_representation_with_l2_and_cmi_terms():
+    sim = Simulation(ragged_experiment("fedsr", options={"l2r": L2R, "cmi": CMI}, **EPOCHS), None)
+    seen: set[int] = set()
+    revisits, keys = 0, set()
+    for t in range(3):
+        cohort, w, clients = round_inputs(sim, t)
+        ctx = sim.context(t)
+        before = {  # each client's key of eps: stored, or drawn at its first visit
+            i: sim.store.get(i)["key"].clone()
+            if i in seen
+            else sim.algorithm.init_client(w, first_visit_generator(0, i), ctx)["key"]
+            for i in cohort
+        }
+        sim.run_round(t)
+        trained, sizes = [], []
+        for i, data in zip(cohort, clients, strict=True):
+            revisits += i in seen
+            seen.add(i)
+            key = before[i]
+            keys.add(float(key))
+            assert float(sim.store.get(i)["key"]) != float(key)  # a new key for the next round
+            n, m = len(data.y), sim.algorithm.model.feature_dim
+            rows, cols = torch.arange(n)[:, None], torch.arange(m)[None]
+            eps = counter_normal(key, rows, cols, dtype=torch.float64)
+            p = {k: v.clone() for k, v in w.items()}
+            for idx in index_steps(data):
+                g = gradient(fedsr_loss(eps), p, data.x[idx], data.y[idx], idx)
+                p = {k: v - LR * g[k] for k, v in p.items()}
+            trained.append(p)
+            sizes.append(float(n))
+        assert_close(sim.server["params"], weighted_mean(trained, sizes))
+    assert len(keys) > len(seen)  # clients draw their own eps, new ones every round
+    assert revisits > 0
+    # prediction: the head on the mean representation
+    downlink = sim.algorithm.downlink(sim.server, sim.context(3))
+    x = torch.randn(5, 1, 3, 3, dtype=torch.float64)
+    mu, _ = gaussian(downlink, x)
+    torch.testing.assert_close(
+        sim.algorithm.predict(downlink, sim.store.get(cohort[0]), x),
+        mu @ downlink["head.weight"].T + downlink["head.bias"],
+    )
+
+
+# --- FedIIR -----------------------------------------------------------------------------------
+
+GAMMA, BETA = 0.5, 0.6
+HEAD = ("head.weight", "head.bias")
+
+
+def head_gradient(p: dict, x: torch.Tensor, y: torch.Tensor, create_graph: bool) -> dict:
+    """grad_w of the mean cross-entropy, w the head, by autograd."""
+    grads = torch.autograd.grad(ce(p, x, y), [p[k] for k in HEAD], create_graph=create_graph)
+    return dict(zip(HEAD, grads, strict=True))
+
+
+def fediir_loss(gbar: dict):
+    """CE + gamma ||grad_w CE - g_bar||^2 on the minibatch."""
+
+    def loss(p, x, y):
+        g = head_gradient(p, x, y, create_graph=True)
+        return ce(p, x, y) + GAMMA * sum(((g[k] - gbar[k]) ** 2).sum() for k in HEAD)
+
+    return loss
+
+
+def test_fediir_aligns_classifier_gradients_with_the_moving_average_of_the_cohorts():
+    options = {"penalty": GAMMA, "ema": BETA}
+    sim = Simulation(ragged_experiment("fediir", options=options, **EPOCHS), None)
+    gbar = None
+    for t in range(4):
+        cohort, w, clients = round_inputs(sim, t)
+        w = {k: v for k, v in w.items() if not k.startswith("gbar")}
+        if gbar is None:
+            gbar = {k: torch.zeros_like(w[k]) for k in HEAD}
+        trained, grads, sizes = [], [], []
+        for data in clients:
+            leaves = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+            grads.append(
+                {k: v.detach() for k, v in head_gradient(leaves, data.x, data.y, False).items()}
+            )
+            trained.append(descend(w, fediir_loss(gbar), steps_of(data)))
+            sizes.append(float(len(data.y)))
+        sim.run_round(t)
+        assert_close(sim.server["params"], weighted_mean(trained, sizes))
+        mean = weighted_mean(grads, sizes)
+        gbar = {k: BETA * gbar[k] + (1 - BETA) * mean[k] for k in HEAD}
+        assert_close(sim.server["gbar"], gbar)
+    assert float(gbar["head.weight"].abs().max()) > 1e-3
+    z = torch.randn(4, 1, 3, 3, dtype=torch.float64)  # prediction: the plain global logits
+    downlink = sim.algorithm.evaluation_downlink(sim.server, sim.context(4))
+    torch.testing.assert_close(
+        sim.algorithm.predict(downlink, {}, z), logits(sim.server["params"], z)
+    )
