@@ -43,6 +43,18 @@ def weighted_mean(models: list[dict], sizes: list[float]) -> dict:
     }
 
 
+def test_counter_normal_draws_are_standard_normal_and_the_same_under_vmap():
+    n = torch.arange(200_000)
+    z = counter_normal(torch.tensor(7), n)
+    assert abs(float(z.mean())) < 0.01 and abs(float(z.std()) - 1) < 0.01
+    assert abs(float((z > 1.96).double().mean()) - 0.025) < 0.002
+    assert torch.equal(z, counter_normal(torch.tensor(7), n))  # a pure function of its keys
+    assert not torch.equal(z[:100], counter_normal(torch.tensor(8), n[:100]))
+    keys = torch.tensor([3, 4, 5])
+    batched = torch.func.vmap(lambda k: counter_normal(k, n[:10]))(keys)
+    torch.testing.assert_close(batched, torch.stack([counter_normal(k, n[:10]) for k in keys]))
+
+
 # --- FedSR ------------------------------------------------------------------------------------
 
 L2R, CMI = 0.05, 0.02
@@ -169,3 +181,74 @@ def test_fediir_aligns_classifier_gradients_with_the_moving_average_of_the_cohor
     torch.testing.assert_close(
         sim.algorithm.predict(downlink, {}, z), logits(sim.server["params"], z)
     )
+
+
+# --- ADCOL ------------------------------------------------------------------------------------
+
+MU_ADCOL, DIS_LR = 0.7, 0.3
+
+
+def party_logits(d: dict, z: torch.Tensor) -> torch.Tensor:
+    """The discriminator, written out: Linear -> ReLU -> Linear -> ReLU -> Linear."""
+    h = torch.relu(z @ d["0.weight"].T + d["0.bias"])
+    h = torch.relu(h @ d["1.weight"].T + d["1.bias"])
+    return h @ d["2.weight"].T + d["2.bias"]
+
+
+def adcol_loss(d: dict, classes: int):
+    """CE over the party's own classes + mu KL(uniform || softmax(D(f(x)))), batch mean."""
+
+    def loss(p, x, y):
+        value = F.cross_entropy(logits(p, x)[:, :classes], y)
+        p_party = torch.softmax(party_logits(d, features(p, x)), -1)
+        u = torch.full_like(p_party, 1 / p_party.shape[-1])
+        kl = (u * (torch.log(u) - torch.log(p_party))).sum(-1)
+        return value + MU_ADCOL * kl.mean()
+
+    return loss
+
+
+def test_adcol_trains_own_models_against_a_discriminator_of_parties():
+    sim = Simulation(
+        ragged_experiment("adcol", options={"mu": MU_ADCOL, "dis_lr": DIS_LR}, **EPOCHS), None
+    )
+    population = sim.exp.data.num_clients
+    models: dict[int, dict] = {}
+    for t in range(4):
+        cohort, w0, clients = round_inputs(sim, t)
+        d = {
+            k: v.clone() for k, v in sim.algorithm.discriminator(sim.server, sim.context(t)).items()
+        }
+        assert d["2.weight"].shape[0] == population
+        grads, sizes = [], []
+        for i, data in zip(cohort, clients, strict=True):
+            classes = int(data.label_mask.sum())
+            w = descend(models.get(i, w0), adcol_loss(d, classes), steps_of(data))
+            models[i] = w
+            leaves = {k: v.clone().requires_grad_(True) for k, v in d.items()}
+            z = features(w, data.x).detach()
+            target = torch.full((len(data.y),), i)
+            own = F.cross_entropy(party_logits(leaves, z), target)
+            grads.append(dict(zip(d, torch.autograd.grad(own, list(leaves.values())), strict=True)))
+            sizes.append(float(len(data.y)))
+        sim.run_round(t)
+        mean = weighted_mean(grads, sizes)
+        assert_close(sim.server["disc"], {k: v - DIS_LR * mean[k] for k, v in d.items()})
+        assert_close(sim.server["params"], w0)  # w^0 never moves
+        for i in cohort:
+            assert_close(sim.store.get(i), models[i])
+    # prediction: the party's own model
+    downlink = sim.algorithm.send(sim.server, sim.context(4), torch.tensor([cohort[0]]), True)
+    x = torch.randn(5, 1, 3, 3, dtype=torch.float64)
+    state = sim.store.get(cohort[0])
+    torch.testing.assert_close(
+        sim.algorithm.predict(downlink.of(0), state, x), logits(models[cohort[0]], x)
+    )
+    # a newcomer trains its own model from w^0 against the current D
+    newcomer = sim.algorithm.downlink(sim.server, sim.context(4))
+    data = clients[0]
+    joined = sim.algorithm.join(
+        newcomer, sim.algorithm.init_client(newcomer, None, None), data, sim.context(4)
+    )
+    d = sim.server["disc"]
+    assert_close(joined, descend(w0, adcol_loss(d, int(data.label_mask.sum())), steps_of(data)))

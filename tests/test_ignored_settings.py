@@ -25,7 +25,7 @@ NAMES = sorted(ALGORITHMS)
 #: Methods whose new clients take no local steps that join_epochs could lengthen.
 JOIN_REFUSED = {"fedavg", "fedprox", "feddyn", "cfl", "fedem", "d-fedem", "perfedavg"}
 JOIN_REFUSED |= {"scaffold", "fednova", "fedlc", "moon", "fedcac", "knn-per"}
-JOIN_REFUSED |= {"fedsr", "fediir", "adcol"}  # the domain-generalization methods
+JOIN_REFUSED |= {"fedsr", "fediir"}  # global domain-generalization methods
 #: Methods whose server rule is their own (no server optimizer, no server_lr), and Clustered FL,
 #: which steps by server_lr but with no other optimizer.
 SERVER_LR_REFUSED = {
@@ -39,6 +39,7 @@ SERVER_LR_REFUSED = {
     "fedproto",
     "pfedhn",
 }
+SERVER_LR_REFUSED |= {"adcol"}  # its discriminator steps by dis_lr
 SERVER_OPTIMIZER_REFUSED = SERVER_LR_REFUSED | {"cfl"}
 #: Per-FedAvg takes plain gradient steps; MOCHA its own SDCA steps (no optimizer, no decay).
 CLIENT_OPTIMIZER_REFUSED = {"perfedavg", "mocha"}

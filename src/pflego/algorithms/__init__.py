@@ -1,6 +1,7 @@
 """Every algorithm, one file each, and the registry that names them."""
 
 from pflego.algorithms import (  # noqa: F401  (registration)
+    adcol,
     apfl,
     apple,
     cfl,
