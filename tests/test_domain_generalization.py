@@ -12,8 +12,10 @@ the library's counter-based generator with the key it finds in the client's stat
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from sklearn.decomposition import PCA
 from test_classic import (
     EPOCHS,
     LR,
@@ -28,7 +30,7 @@ from test_classic import (
 )
 from test_fast_sim import ragged_experiment
 
-from pflego.rng import counter_normal, first_visit_generator
+from pflego.rng import counter_normal, counter_uniform, first_visit_generator
 from pflego.sim import Simulation
 
 
@@ -61,14 +63,14 @@ L2R, CMI = 0.05, 0.02
 
 
 def gaussian(p: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """mu(x) and sigma(x): the map after the body, split in halves, softplus + 1e-6 on the second."""
+    """mu(x) and sigma(x): the map after the body split in halves, softplus + 1e-6 on the second."""
     out = features(p, x) @ p["sr.map.weight"].T + p["sr.map.bias"]
     m = out.shape[1] // 2
     return out[:, :m], F.softplus(out[:, m:]) + 1e-6
 
 
 def fedsr_loss(eps: torch.Tensor):
-    """CE(h(mu + sigma eps)) + L2R mean ||z||^2 + CMI mean KL(N(mu, sigma) || N(r_mu_y, r_sigma_y))."""
+    """CE(h(mu + sigma eps)) + L2R mean ||z||^2 + CMI mean KL(N(mu, sigma) || N(r_mu_y, r_sigma_y))"""
 
     def loss(p, x, y, rows):
         mu, sigma = gaussian(p, x)
@@ -252,3 +254,106 @@ def test_adcol_trains_own_models_against_a_discriminator_of_parties():
     )
     d = sim.server["disc"]
     assert_close(joined, descend(w0, adcol_loss(d, int(data.label_mask.sum())), steps_of(data)))
+
+
+# --- Floco ------------------------------------------------------------------------------------
+
+M_ENDPOINTS, TAU, RHO = 3, 2, 0.3
+
+
+def floco_alphas(key, n: int, beta=None) -> torch.Tensor:
+    """Each sample's alpha: normalized exponentials (Dirichlet(1)) before the placement, beta plus
+    a radius U(0, rho) times a direction v / |v|_1, v ~ U(-1, 1)^m, after."""
+    rows, cols = torch.arange(n)[:, None], torch.arange(M_ENDPOINTS)[None]
+    if beta is None:
+        e = -torch.log(counter_uniform(key, rows, cols))
+        return e / e.sum(1, keepdim=True)
+    v = 2 * counter_uniform(key, rows, cols + M_ENDPOINTS) - 1
+    r = RHO * counter_uniform(key, rows, torch.tensor(2 * M_ENDPOINTS))
+    return beta + r * v / v.abs().sum(1, keepdim=True)
+
+
+def simplex_logits(p: dict, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Per sample, features @ (sum_k alpha_k W_k)^T + b."""
+    f = features(p, x)
+    rows = []
+    for s in range(len(f)):
+        w = sum(alpha[s, k] * p["simplex.weight"][k] for k in range(M_ENDPOINTS))
+        rows.append(w @ f[s] + p["head.bias"])
+    return torch.stack(rows)
+
+
+def placement(signals: np.ndarray) -> np.ndarray:
+    """scikit-learn's exact PCA to m components, projected onto the simplex scaled by z (the
+    sort-based algorithm), renormalized; z of lowest mean 1/d^2 over pairs (d floored at 1e-4)."""
+    kappa = PCA(n_components=M_ENDPOINTS, svd_solver="full").fit_transform(signals)
+    best, lowest = None, np.inf
+    for z in np.linspace(1e-4, 1, 1000):
+        beta = np.empty_like(kappa)
+        for i, v in enumerate(kappa):
+            u = np.sort(v)[::-1]
+            cumulative = np.cumsum(u) - z
+            count = max(j + 1 for j in range(len(u)) if u[j] - cumulative[j] / (j + 1) > 0)
+            beta[i] = np.maximum(v - cumulative[count - 1] / count, 0)
+        beta /= beta.sum(1, keepdims=True)
+        pairs = [(a, b) for a in range(len(beta)) for b in range(a + 1, len(beta))]
+        d = np.array([max(np.linalg.norm(beta[a] - beta[b]), 1e-4) for a, b in pairs])
+        energy = np.log((1 / d**2).sum()) - np.log(len(pairs))
+        if energy < lowest:
+            best, lowest = beta, energy
+    return best
+
+
+def test_floco_trains_simplex_subregions_placed_by_the_clients_updates():
+    options = {"endpoints": M_ENDPOINTS, "tau": TAU, "rho": RHO}
+    sim = Simulation(ragged_experiment("floco", options=options, **EPOCHS), None)
+    population = sim.exp.data.num_clients
+    seen: set[int] = set()
+    signals: dict[int, torch.Tensor] = {}
+    betas = None
+    for t in range(4):
+        cohort, w, clients = round_inputs(sim, t)
+        ctx = sim.context(t)
+        before = {
+            i: sim.store.get(i)["key"].clone()
+            if i in seen
+            else sim.algorithm.init_client(w, first_visit_generator(0, i), ctx)["key"]
+            for i in cohort
+        }
+        sim.run_round(t)
+        trained, sizes = [], []
+        for i, data in zip(cohort, clients, strict=True):
+            seen.add(i)
+            beta = None if betas is None else torch.from_numpy(betas[i])
+            alpha = floco_alphas(before[i], len(data.y), beta)
+
+            def loss(p, x, y, idx, alpha=alpha):
+                return F.cross_entropy(simplex_logits(p, x, alpha[idx]), y)
+
+            p = {k: v.clone() for k, v in w.items()}
+            for idx in index_steps(data):
+                g = gradient(loss, p, data.x[idx], data.y[idx], idx)
+                p = {k: v - LR * g[k] for k, v in p.items()}
+            trained.append(p)
+            sizes.append(float(len(data.y)))
+            signals[i] = (w["simplex.weight"] - p["simplex.weight"]).flatten()
+        assert_close(sim.server["params"], weighted_mean(trained, sizes))
+        if t == TAU - 1:  # placement: each trained client's point, the others at the centre
+            placed = sorted(signals)
+            betas = np.full((population, M_ENDPOINTS), 1 / M_ENDPOINTS)
+            betas[placed] = placement(torch.stack([signals[i] for i in placed]).numpy())
+            assert len(placed) < population  # a client never trained before the placement
+        expected = betas if betas is not None else np.full((population, M_ENDPOINTS), 1 / 3)
+        np.testing.assert_allclose(
+            sim.server["floco"]["beta"].numpy(), expected, rtol=1e-9, atol=1e-12
+        )
+    assert len({tuple(np.round(b, 6)) for b in betas}) > 2  # the clients are spread
+    # prediction: the client's own point of the simplex
+    i = cohort[0]
+    downlink = sim.algorithm.send(sim.server, sim.context(4), torch.tensor([i]), True).of(0)
+    x = torch.randn(5, 1, 3, 3, dtype=torch.float64)
+    point = torch.from_numpy(betas[i]).expand(5, -1)
+    torch.testing.assert_close(
+        sim.algorithm.predict(downlink, sim.store.get(i), x),
+        simplex_logits(sim.server["params"], x, point),
+    )

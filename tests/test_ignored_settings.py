@@ -25,7 +25,7 @@ NAMES = sorted(ALGORITHMS)
 #: Methods whose new clients take no local steps that join_epochs could lengthen.
 JOIN_REFUSED = {"fedavg", "fedprox", "feddyn", "cfl", "fedem", "d-fedem", "perfedavg"}
 JOIN_REFUSED |= {"scaffold", "fednova", "fedlc", "moon", "fedcac", "knn-per"}
-JOIN_REFUSED |= {"fedsr", "fediir"}  # global domain-generalization methods
+JOIN_REFUSED |= {"fedsr", "fediir", "floco"}  # global domain-generalization methods
 #: Methods whose server rule is their own (no server optimizer, no server_lr), and Clustered FL,
 #: which steps by server_lr but with no other optimizer.
 SERVER_LR_REFUSED = {

@@ -61,6 +61,12 @@ def counter_bits(key: Tensor, *counters: Tensor) -> Tensor:
     return h
 
 
+def counter_uniform(key: Tensor, *counters: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Uniform draws in (0, 1), one per entry of the broadcast ``counters``, from
+    :func:`counter_bits`."""
+    return (counter_bits(key, *counters).to(dtype) + 0.5) / 2**32
+
+
 def counter_normal(key: Tensor, *counters: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
     """Standard normal draws, one per entry of the broadcast ``counters``, from
     :func:`counter_bits` (Box-Muller on two uniforms hashed from them)."""
@@ -68,3 +74,9 @@ def counter_normal(key: Tensor, *counters: Tensor, dtype: torch.dtype = torch.fl
     u1 = (_hash32(h ^ 0x1B873593).to(dtype) + 0.5) / 2**32
     u2 = (_hash32(h ^ 0x68E31DA4).to(dtype) + 0.5) / 2**32
     return torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * torch.pi * u2)
+
+
+def next_key(key: Tensor) -> Tensor:
+    """The key of a client's next round of counter-based draws (24 bits hashed from ``key``,
+    exact in a float32 client state)."""
+    return (counter_bits(key) >> 8).to(key.dtype)

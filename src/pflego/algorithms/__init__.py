@@ -32,6 +32,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     fedrep,
     fedrod,
     fedsr,
+    floco,
     gpfl,
     knn_per,
     lgfedavg,

@@ -19,14 +19,14 @@ The server averages every parameter, the reference distribution included, weight
 (server SGD with lr 1 on ``w - w_i``).
 
 Symbols to code: the encoder is the model's body followed by the linear map ``sr.map.*``
-(``[2M, M]``): its output's first M entries are mu, the last M give
-sigma = softplus(.) + 1e-6; h -> ``head.*`` (C-way, shared); r_mu -> ``sr.r_mu`` ``[C, M]`` (zeros at
-first), r_sigma -> softplus(``sr.r_sigma``) + 1e-6 (``sr.r_sigma`` ones at first, as the authors'
-code); alpha_L2R -> ``l2r`` (0.01), alpha_CMI -> ``cmi`` (5e-4), the defaults of the authors'
-code and FL-bench; eps -> :func:`pflego.rng.counter_normal` of the client's key, the sample's index and
-the coordinate; the key, the client's state, is drawn at its first visit and hashed into the next
-one after every round. The expectations are the
-masked means over the minibatch's real samples of one draw each.
+(``[2M, M]``): its output's first M entries are mu, the last M give sigma = softplus(.) + 1e-6;
+h -> ``head.*`` (C-way, shared); r_mu -> ``sr.r_mu`` ``[C, M]`` (zeros at first), r_sigma ->
+softplus(``sr.r_sigma``) + 1e-6 (``sr.r_sigma`` ones at first, as the authors' code);
+alpha_L2R -> ``l2r`` (0.01), alpha_CMI -> ``cmi`` (5e-4), the defaults of the authors' code and
+FL-bench; eps -> :func:`pflego.rng.counter_normal` of the client's key, the sample's index and
+the coordinate; the key, the client's state, is drawn at its first visit and hashed into the
+next one after every round. The expectations are the masked means over the minibatch's real
+samples of one draw each.
 
 Deliberate differences:
 - One draw of eps per sample and round: a sample seen twice in a round (``local_epochs`` > 1)
@@ -63,7 +63,7 @@ from pflego.fields import non_negative, setting
 from pflego.local import train_steps
 from pflego.loss import masked_cross_entropy
 from pflego.models import head_logits
-from pflego.rng import counter_bits, counter_normal
+from pflego.rng import counter_normal, next_key
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext
 
@@ -71,11 +71,6 @@ SHARED = ("body", "head", "sr")
 KEY = "key"  # the client's key of its draws of eps
 KEYS = 2**24  # keys are drawn below this, exact in float32 state
 FLOOR = 1e-6  # added to every scale, sigma and r_sigma, so that the KL stays finite
-
-
-def next_key(key: Tensor) -> Tensor:
-    """The key of the client's next round of draws (24 bits hashed from this one)."""
-    return (counter_bits(key) >> 8).to(key.dtype)
 
 
 def scale(a: Tensor) -> Tensor:
@@ -101,7 +96,10 @@ class FedSR(Algorithm):
         params = super().init_params(seed, dtype)
         m, c = self.model.feature_dim, self.model.num_classes
         gen = torch.Generator().manual_seed(seed + 2)
-        uniform = lambda *shape: torch.rand(*shape, generator=gen, dtype=torch.float64) * 2 - 1  # noqa: E731
+
+        def uniform(*shape: int) -> Tensor:
+            return torch.rand(*shape, generator=gen, dtype=torch.float64) * 2 - 1
+
         sr = {
             "sr.map.weight": uniform(2 * m, m) / math.sqrt(m),
             "sr.map.bias": uniform(2 * m) / math.sqrt(m),

@@ -67,7 +67,8 @@ def rotate(images: Tensor, degrees: float) -> Tensor:
 
 
 def domains_of(n: int, num_domains: int) -> np.ndarray:
-    """The domain of each of ``n`` samples: a fixed permutation dealt in turn (sizes differ by 1)."""
+    """The domain of each of ``n`` samples: a fixed permutation dealt in turn (sizes differ by
+    at most 1)."""
     order = np.random.default_rng(DOMAIN_SEED).permutation(n)
     out = np.empty(n, dtype=np.int64)
     out[order] = np.arange(n) % num_domains
