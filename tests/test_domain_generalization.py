@@ -357,3 +357,9 @@ def test_floco_trains_simplex_subregions_placed_by_the_clients_updates():
         sim.algorithm.predict(downlink, sim.store.get(i), x),
         simplex_logits(sim.server["params"], x, point),
     )
+    # a client that never trained was never placed: the simplex's centre
+    newcomer = sim.algorithm.downlink(sim.server, sim.context(4))
+    centre = torch.full((5, M_ENDPOINTS), 1 / M_ENDPOINTS, dtype=torch.float64)
+    torch.testing.assert_close(
+        sim.algorithm.predict(newcomer, {}, x), simplex_logits(sim.server["params"], x, centre)
+    )
