@@ -29,6 +29,7 @@ JOIN_REFUSED |= {"qffl", "fedadmm", "fedntd", "ifca", "elastic"}
 JOIN_REFUSED |= {"fedcross", "pfedla"}
 JOIN_REFUSED |= {"pefll", "fedgen"}
 JOIN_REFUSED |= {"ccvr", "pfedfda"}
+JOIN_REFUSED |= {"fedsr", "fediir", "floco"}  # global domain-generalization methods
 #: Methods whose server rule is their own (no server optimizer, no server_lr), and Clustered FL
 #: and IFCA, which step by server_lr but with no other optimizer.
 SERVER_LR_REFUSED = {
@@ -52,6 +53,7 @@ SERVER_LR_REFUSED = {
     "pefll",
 }
 SERVER_LR_REFUSED |= {"fedpcl"}
+SERVER_LR_REFUSED |= {"adcol"}  # its discriminator steps by dis_lr
 SERVER_OPTIMIZER_REFUSED = SERVER_LR_REFUSED | {"cfl", "ifca"}
 #: Per-FedAvg takes plain gradient steps; MOCHA its own SDCA steps (no optimizer, no decay).
 CLIENT_OPTIMIZER_REFUSED = {"perfedavg", "mocha"}

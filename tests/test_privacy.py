@@ -31,6 +31,11 @@ ELIGIBLE = sorted(
     if cls.sum_aggregate and cls.server_round is Algorithm.server_round
 )
 
+#: Methods whose local loss grows faster than quadratically in the parameters (FedSR's KL to
+#: its class references, whose gradient scales with 1 / r_sigma^2): parameters moved by a noise
+#: of std 1e9 overflow their local steps, so their noise test uses a noise of std 1e-3.
+STEEP = {"fedsr"}
+
 
 def simulation(**settings) -> Simulation:
     return Simulation(tiny_experiment(**settings), None)
@@ -191,7 +196,8 @@ def test_no_noise_and_a_huge_clip_is_the_non_private_run_exactly(name, local):
     assert plain.keys() == private.keys()
     for k in plain:
         assert torch.equal(plain[k], private[k]), k
-    noisy = params_after(simulation(algorithm=name, dp_clip=1e12, dp_noise=1e-3, dp_local=local))
+    noise = 1e-15 if name in STEEP else 1e-3  # a noise of std 1e-3, or of 1e9
+    noisy = params_after(simulation(algorithm=name, dp_clip=1e12, dp_noise=noise, dp_local=local))
     assert any(not torch.equal(plain[k], noisy[k]) for k in plain)
 
 

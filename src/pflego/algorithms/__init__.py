@@ -1,6 +1,7 @@
 """Every algorithm, one file each, and the registry that names them."""
 
 from pflego.algorithms import (  # noqa: F401  (registration)
+    adcol,
     apfl,
     apple,
     ccvr,
@@ -29,6 +30,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     fedgc,
     fedgen,
     fedgh,
+    fediir,
     fedkd,
     fedlc,
     fedmd,
@@ -44,6 +46,8 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     fedrecon,
     fedrep,
     fedrod,
+    fedsr,
+    floco,
     flute,
     fml,
     gpfl,

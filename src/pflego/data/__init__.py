@@ -5,7 +5,7 @@ from pflego.data.federated import ArrayDataset, FederatedData, federate, from_pa
 
 # Loaders register themselves with the dataset registry on import.
 from pflego.data import huggingface, leaf, medmnist, mixture, officehome  # noqa: E402, F401  isort: skip
-from pflego.data import omniglot, pfedme, stream, vision  # noqa: E402, F401  isort: skip
+from pflego.data import omniglot, pfedme, rotated, stream, vision  # noqa: E402, F401  isort: skip
 
 __all__ = [
     "DATASETS",
