@@ -89,7 +89,8 @@ class IFCA(Algorithm):
             ]
         )
         first = next(iter(models.values()))
-        return torch.nn.functional.one_hot(losses.argmin(), self.clusters).to(first.dtype)
+        clusters = torch.arange(self.clusters, device=losses.device)
+        return (clusters == losses.argmin()).to(first.dtype)  # one-hot, with no host read
 
     def chosen(self, models: Params, identity: Tensor) -> Params:
         """The cluster model that ``identity`` selects (cluster 0 for an all-zero one)."""
