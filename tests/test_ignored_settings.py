@@ -30,6 +30,7 @@ JOIN_REFUSED |= {"fedcross", "pfedla"}
 JOIN_REFUSED |= {"pefll", "fedgen"}
 JOIN_REFUSED |= {"ccvr", "pfedfda"}
 JOIN_REFUSED |= {"fedsr", "fediir", "floco"}  # global domain-generalization methods
+JOIN_REFUSED |= {"fedfed"}
 #: Methods whose server rule is their own (no server optimizer, no server_lr), and Clustered FL
 #: and IFCA, which step by server_lr but with no other optimizer.
 SERVER_LR_REFUSED = {

@@ -26,6 +26,7 @@ from pflego.algorithms import (  # noqa: F401  (registration)
     feddistill,
     feddyn,
     fedem,
+    fedfed,
     fedfomo,
     fedgc,
     fedgen,
