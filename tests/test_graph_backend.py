@@ -24,7 +24,7 @@ from pflego.sim.backends_graph import (
 )
 
 #: The registered methods the executor runs as plain vmap, and why (docs/gpu.md lists them).
-FALLS_BACK = dict.fromkeys(["apple", "fedap", "fedfed", "pfedsim"], ROUND_READ)
+FALLS_BACK = dict.fromkeys(["apple", "fedap", "fedfed", "fedgen", "pfedsim"], ROUND_READ)
 #: Five of the six ragged clients a round (padded to 6), minibatches of 4 over one and a half
 #: epochs: 1 to 6 steps a client (padded to a static count), 3 to 14 samples (padded to 16 or 12).
 RAGGED = {"participation": 0.84, "batch_size": 4, "local_epochs": 1.5}

@@ -140,7 +140,7 @@ class FedMD(Algorithm):
             rows.expand(self.digest_steps, len(x)),
             active,
             data.label_mask,
-            torch.tensor(len(x), device=x.device),
+            torch.full((), len(x), dtype=torch.int64, device=x.device),
         )
 
         def loss(params: Params, xb: Tensor, yb: Tensor, mask: Tensor) -> Tensor:

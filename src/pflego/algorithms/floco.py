@@ -186,14 +186,14 @@ class Floco(Algorithm):
 
     def alphas(self, downlink, key: Tensor, n: int, dtype: torch.dtype) -> Tensor:
         """Each sample's alpha: Dirichlet(1) before the placement, the L1 ball after."""
-        rows = torch.arange(n)[:, None]
-        cols = torch.arange(self.endpoints)[None, :]
+        rows = torch.arange(n, device=key.device)[:, None]
+        cols = torch.arange(self.endpoints, device=key.device)[None, :]
         uniform = counter_uniform(key, rows, cols, dtype=dtype)
         dirichlet = -torch.log(uniform)
         dirichlet = dirichlet / dirichlet.sum(-1, keepdim=True)
         v = 2 * counter_uniform(key, rows, cols + self.endpoints, dtype=dtype) - 1
         radius = self.rho * counter_uniform(
-            key, rows, torch.tensor(2 * self.endpoints), dtype=dtype
+            key, rows, torch.full((), 2 * self.endpoints, device=key.device), dtype=dtype
         )
         ball = downlink["beta"] + radius * v / v.abs().sum(-1, keepdim=True)
         return torch.where(downlink["projected"] > 0, ball, dirichlet)

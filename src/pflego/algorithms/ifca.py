@@ -94,8 +94,8 @@ class IFCA(Algorithm):
 
     def chosen(self, models: Params, identity: Tensor) -> Params:
         """The cluster model that ``identity`` selects (cluster 0 for an all-zero one)."""
-        fallback = torch.nn.functional.one_hot(torch.zeros((), dtype=torch.int64), self.clusters)
-        pick = torch.where(identity.sum() > 0, identity, fallback.to(identity))
+        first = torch.arange(self.clusters, device=identity.device) == 0  # cluster 0, one-hot
+        pick = torch.where(identity.sum() > 0, identity, first.to(identity))
         return tree.weighted_sum(models, pick)
 
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):

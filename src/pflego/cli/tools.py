@@ -33,11 +33,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         options = ", ".join(f"{k}={v!r}" for k, v in hyperparameters(cls).items())
         print(f"  {name:{width}s}  {steps}" + (f"  {options}" if options else ""))
     print("datasets:")
-    width = max(map(len, DATASETS), default=0)
+    width = max(map(len, [*DATASETS, *(f.usage for f in FAMILIES.values())]), default=0)
     for name, info in sorted(DATASETS.items()):
         print(f"  {name:{width}s}  {info.description} (model: {info.default_model})")
     for family in FAMILIES.values():
-        print(f"  {family.usage}  {family.description}")
+        print(f"  {family.usage:{width}s}  {family.description}")
     print("models:", ", ".join(sorted(ARCHITECTURES)), "or mlp<N> (N hidden units)")
     return 0
 
