@@ -93,7 +93,15 @@ def assert_trees_close(a: dict, b: dict, atol: float = 1e-10) -> None:
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=1e-9, msg=k)
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
+#: The schedules every method runs in the default suite; the optimizers' (momentum over two
+#: epochs, Adam) run under ``pytest -m slow``, 72 methods x 4 settings being half the suite's time.
+QUICK_SETTINGS = ("full-batch", "minibatch")
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [s if s in QUICK_SETTINGS else pytest.param(s, marks=pytest.mark.slow) for s in SETTINGS],
+)
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_vmap_equals_loop(name: str, setting: str) -> None:
     """Every backend gives the loop's uploads, weights, metrics, states and server parameters."""

@@ -116,11 +116,24 @@ CLIENT_SERVER = [
     and not ALGORITHMS[name].public_size
     and ALGORITHMS[name].calibrate is Algorithm.calibrate
 ]
+#: One method of each shape the Flower path must carry, run in the default suite (the others run
+#: under ``pytest -m slow``): a shared downlink and no state (fedavg), a personal model beside the
+#: global one (ditto), per-client downlinks (fedcac, pfedhn), a fixed shared head (fedbabu),
+#: personal heads (pflego, fedper), adaptation at evaluation (perfedavg), a server step and state
+#: of its own (scaffold, fedem), an evaluation downlink and population metrics (pgfed, apfl),
+#: uploads beside the model (fedgen) and counter-based draws inside local steps (fedsr).
+FLOWER_SHAPES = {
+    "fedavg", "ditto", "fedcac", "pfedhn", "fedbabu", "pflego", "fedper", "perfedavg",
+    "scaffold", "fedem", "pgfed", "apfl", "fedgen", "fedsr",
+}  # fmt: skip
 #: The simulator's population metrics of a client-server algorithm (tests/test_pgfed_comparators.py).
 POPULATION_METRICS = {"apfl": {"alpha_mean", "alpha_min", "alpha_max"}}
 
 
-@pytest.mark.parametrize("algorithm", CLIENT_SERVER)
+@pytest.mark.parametrize(
+    "algorithm",
+    [a if a in FLOWER_SHAPES else pytest.param(a, marks=pytest.mark.slow) for a in CLIENT_SERVER],
+)
 def test_flower_path_equals_simulator(algorithm, tmp_path):
     # Each node evaluates its own client: the simulator does the same with chunks of one client,
     # since batched products over stacked parameters (FedEM's components) round by chunk size.

@@ -111,6 +111,7 @@ def test_a_run_on_rotated_domains():
     assert experiment.data.groups == ["0deg", "15deg", "30deg", "45deg", "60deg", "75deg"]
 
 
+@pytest.mark.slow  # real MNIST from ../shared/data, as tests/test_real_data.py
 def test_rotated_mnist_real():
     if not (SHARED / "mnist").exists():
         pytest.skip(f"real data not found at {SHARED / 'mnist'}")
