@@ -225,10 +225,14 @@ class Simulation(Evaluation):
         self.dropped += [[t, int(c)] for c in done.dropped]
 
     def client_updates(
-        self, t: int, ctx: RoundContext, clients: np.ndarray
+        self, t: int, ctx: RoundContext, cohort: np.ndarray, share: np.ndarray | None = None
     ) -> tuple[ClientOut, ClientState]:
-        """The round's uploads and new states of ``clients`` (with local noise, if any)."""
-        downlink = self.downlink(ctx, clients)
+        """The round's uploads and new states of the cohort's members at positions ``share``
+        (default all; with local noise, if any). Their downlink is their part of the one the whole
+        cohort is sent: a member's part may depend on the others (FedMTL, FedCross)."""
+        sent = self.algorithm.send(self.server, ctx, torch.as_tensor(cohort))
+        clients = cohort if share is None else cohort[share]
+        downlink = (sent if share is None else sent.select(share)).payload
         states = self.states(clients, downlink, ctx)
         out, new_states = self.backend(
             self.algorithm, downlink, states, self.round_inputs(t, clients), ctx

@@ -88,7 +88,7 @@ class ShardedSimulation(Simulation):
         error = None
         try:
             if len(share):
-                out, states = self.client_updates(t, ctx, cohort[share])
+                out, states = self.client_updates(t, ctx, cohort, share)
                 part = packed(out, states if keep_states else {}, finite_states(states, share))
         except PflegoError as exc:  # raised on every rank, by the gathering
             error = exc
