@@ -1,7 +1,7 @@
 """Elastic Aggregation: FedAvg whose server step is scaled per parameter by its sensitivity.
 
-Chen, Hu, Tan, Wei, Wu. "Elastic Aggregation for Federated Optimization". CVPR 2023,
-pp. 12187-12197.
+Dengsheng Chen, Jie Hu, Vince Junkai Tan, Xiaoming Wei, Enhua Wu. "Elastic Aggregation for
+Federated Optimization". CVPR 2023, pp. 12187-12197 (CVF open access; no arXiv version was found).
 
 A parameter's sensitivity is how much the model's output changes when the parameter changes,
 measured without labels as the gradient of the output's squared norm (after Memory Aware

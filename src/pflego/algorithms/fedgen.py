@@ -35,7 +35,7 @@ live in the server state and are trained in ``server_round`` on the cohort's upl
 no random numbers (every backend and Flower node must agree), so the server draws each round's
 noise from the run's seed and the round and sends the generator's samples, a bank of
 ``bank_size`` features per class (``generated``, ``[C, bank_size, M]``), in the shared downlink
-(``pflego.algorithms.generator``).
+(``pflego.models.generator``).
 
 Deliberate differences and choices:
 - Client samples: the KL term pairs batch row s with the bank's feature ``bank[y_s, s mod n]``
@@ -67,11 +67,11 @@ from torch import Tensor
 
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
-from pflego.algorithms.generator import Generator
 from pflego.fields import at_least, between, non_negative, positive, setting
 from pflego.local import train_steps
 from pflego.loss import masked_cross_entropy
 from pflego.models import head_logits
+from pflego.models.generator import Generator
 from pflego.optim import Adam
 from pflego.rng import seed_for
 from pflego.tree import Params

@@ -3,7 +3,7 @@
 The contract's form of a server-side generator (docs/design.md): its parameters are server state,
 trained in ``server_round``; clients draw no random numbers, so the server draws the noise from
 the run's seed and the round and sends the generated samples (:meth:`Generator.bank`) in the
-shared downlink. Used by FedGen (``fedgen.py``).
+shared downlink. Used by FedGen (``algorithms/fedgen.py``).
 """
 
 from __future__ import annotations
