@@ -134,6 +134,9 @@ class Recorder(Callback):
     def on_train_end(self, completed):
         self.calls.append((self.name, "end", completed))
 
+    def on_train_failed(self, error):
+        self.calls.append((self.name, "failed", str(error)))
+
 
 def test_the_training_loop_calls_its_callbacks_in_order():
     calls: list = []
@@ -155,6 +158,26 @@ def test_the_training_loop_calls_its_callbacks_in_order():
     ]
 
 
+def test_the_evaluation_due_at_the_start_is_made_when_the_loop_begins_unless_logged():
+    for records, rounds in (([], [0, 1, 2]), ([{"round": 0}], [1, 2])):
+        calls: list = []
+        due = Evaluate(lambda c: True, lambda c: {"round": c}, [Recorder("then", calls)], records)
+        train(0, 2, lambda t: None, [due])
+        assert [call[2] for call in calls] == rounds
+
+
+def test_a_loop_that_raises_tells_every_callback_and_goes_on_raising():
+    calls: list = []
+
+    def step(t):
+        if t == 1:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        train(0, 3, step, [Recorder("a", calls), Recorder("b", calls)])
+    assert calls[-3:] == [("b", "round", 1), ("a", "failed", "boom"), ("b", "failed", "boom")]
+
+
 def test_the_simulator_evaluates_through_its_callbacks():
 
     sim = Simulation(tiny_experiment(algorithm="fedavg", rounds=3, eval_every=2), None)
@@ -164,6 +187,22 @@ def test_the_simulator_evaluates_through_its_callbacks():
     sim.evaluate = lambda completed: seen.append(completed) or evaluate(completed)
     history = sim.run(progress=False)
     assert seen == [0, 2, 3] and [r["round"] for r in history.records] == [0, 2, 3]
+
+
+def test_every_callback_of_the_simulator_sees_every_evaluation(monkeypatch):
+    import pflego.sim.rounds
+
+    seen: list = []
+
+    class Watched(pflego.sim.rounds.DivergenceCheck):
+        def on_evaluation(self, completed, record):
+            seen.append(record["round"])
+            super().on_evaluation(completed, record)
+
+    monkeypatch.setattr(pflego.sim.rounds, "DivergenceCheck", Watched)
+    sim = Simulation(tiny_experiment(algorithm="fedavg", rounds=3, eval_every=2), None)
+    history = sim.run(progress=False)
+    assert seen == [r["round"] for r in history.records] == [0, 2, 3]
 
 
 def test_a_downlink_gives_each_client_its_part():

@@ -257,6 +257,44 @@ def test_failed_and_silent_nodes_do_not_stop_the_run(tmp_path, caplog):
     assert len(read_rows(tmp_path / "run" / "clients.csv")) == 5 * 3 + 4
 
 
+def test_the_servers_evaluations_pass_through_the_training_loop(tmp_path, monkeypatch):
+    import pflego.flower.server
+    from pflego.sim.engine import Callback
+
+    seen: list = []
+
+    class Seen(Callback):
+        def on_evaluation(self, completed, record):
+            seen.append(record["round"])
+
+    class Watched(pflego.flower.server.Evaluate):
+        def __init__(self, due, evaluate, then, records):
+            super().__init__(due, evaluate, [*then, Seen()], records)
+
+    monkeypatch.setattr(pflego.flower.server, "Evaluate", Watched)
+    config = small_config("fedavg", rounds=3, eval_every=2)
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.start({}, [])
+    grid = InProcessGrid(client_app, config, tmp_path / "state")
+    history = FlowerServer(config, grid, run_dir, join_timeout=1).run()
+    assert seen == [r["round"] for r in history.records] == [0, 2, 3]
+    events = [json.loads(line) for line in (tmp_path / "run" / "flower.jsonl").open()]
+    assert [(e["round"], e["phase"]) for e in events] == [
+        (0, "evaluate"),
+        (0, "train"),
+        (1, "train"),
+        (2, "evaluate"),
+        (2, "train"),
+        (3, "evaluate"),
+    ]
+    timed = [sorted(e["phases"]) for e in events if e["phase"] == "train"]
+    assert [[p for p in t if p in ("evaluate", "checkpoint")] for t in timed] == [
+        ["checkpoint"],
+        ["checkpoint", "evaluate"],
+        ["checkpoint", "evaluate"],
+    ]
+
+
 def test_a_round_without_answers_leaves_the_server_unchanged(tmp_path):
     config = small_config("fedavg", rounds=1)
     grid = InProcessGrid(

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 from conftest import TINY
 
+import pflego.config
+import pflego.sim.rounds
+import pflego.trackers
 from pflego.cli import build_parser, main
 from pflego.cli.flags import settings_from_args
 from pflego.config import load_config
@@ -143,6 +146,62 @@ def test_wandb_offline_run_files_hold_every_evaluation_under_one_id(tmp_path, mo
     same(logged, out)
     assert config["algorithm"] == "fedavg" and config["rounds"] == 3
     assert {"curves.png", "config.yaml"} <= saved
+
+
+class FakeTracker:
+    """A tracker that notes in ``LOG`` what it is given."""
+
+    LOG: list[tuple] = []
+
+    def __init__(self, place: Placement, config: dict, run_id: str | None) -> None:
+        self.run_id = run_id or "fake-1"
+        self.LOG.append(("open", run_id))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.LOG.append(("metrics", step))
+
+    def log_artifacts(self, paths: list[Path]) -> None:
+        self.LOG.append(("artifacts", sorted(p.name for p in paths)))
+
+    def close(self) -> None:
+        self.LOG.append(("close",))
+
+
+@pytest.fixture
+def fake_tracker(monkeypatch) -> list[tuple]:
+    """``log=mlflow`` opens a :class:`FakeTracker` (whatever this machine has installed)."""
+    monkeypatch.setitem(pflego.config.TRACKERS, "mlflow", "json")
+    monkeypatch.setitem(pflego.trackers.TRACKER_CLASSES, "mlflow", FakeTracker)
+    monkeypatch.setattr(FakeTracker, "LOG", [])
+    return FakeTracker.LOG
+
+
+def test_a_tracker_gets_every_evaluation_then_the_artifacts_and_a_resumption_continues_it(
+    tmp_path, fake_tracker
+):
+    out = tmp_path / "run"
+    run({**SETTINGS, "log": "mlflow"}, out=out, progress=False)
+    done = [("artifacts", ["config.yaml", "curves.png"]), ("close",)]
+    assert fake_tracker == [("open", None), *[("metrics", t) for t in range(4)], *done]
+    fake_tracker.clear()
+    resume(out, progress=False, rounds=5)
+    assert fake_tracker == [("open", "fake-1"), ("metrics", 4), ("metrics", 5), *done]
+
+
+def test_a_run_that_fails_closes_its_trackers_without_artifacts(
+    tmp_path, fake_tracker, monkeypatch
+):
+    run_round = pflego.sim.rounds.Simulation.run_round
+
+    def failing(self, t):
+        if t == 1:
+            raise RuntimeError("the round failed")
+        run_round(self, t)
+
+    monkeypatch.setattr(pflego.sim.rounds.Simulation, "run_round", failing)
+    with pytest.raises(RuntimeError, match="the round failed"):
+        run({**SETTINGS, "log": "mlflow"}, out=tmp_path / "run", progress=False)
+    assert fake_tracker == [("open", None), ("metrics", 0), ("metrics", 1), ("close",)]
 
 
 def test_log_flag_reaches_the_settings_of_run_and_reproduce():

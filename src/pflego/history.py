@@ -10,7 +10,6 @@ import os
 import tempfile
 import threading
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,8 +250,6 @@ class RunDir:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        #: Called with every record :meth:`log` writes (the run's experiment trackers).
-        self.listeners: list[Callable[[dict[str, Any]], None]] = []
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -334,8 +331,6 @@ class RunDir:
         """
         with self.metrics.open("a") as f:
             f.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")
-        for listener in self.listeners:
-            listener(record)
         columns = self.client_columns()
         new = columns is None
         if new:

@@ -23,7 +23,6 @@ import os
 import secrets
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -248,35 +247,14 @@ TRACKER_CLASSES = {
 }
 
 
-class Trackers:
-    """The trackers of one run, fed by its :class:`~pflego.history.RunDir`."""
-
-    def __init__(self, trackers: list[Tracker]) -> None:
-        self.trackers = trackers
-
-    def log_record(self, record: dict[str, Any]) -> None:
-        """One evaluation, with its round as the step."""
-        metrics = metrics_of(record)
-        for tracker in self.trackers:
-            tracker.log_metrics(metrics, int(record["round"]))
-
-    def finish(self, run_dir: Path) -> None:
-        """Log the run directory's :data:`ARTIFACTS` that exist."""
-        paths = [run_dir / name for name in ARTIFACTS if (run_dir / name).is_file()]
-        for tracker in self.trackers:
-            tracker.log_artifacts(paths)
-
-    def close(self) -> None:
-        for tracker in self.trackers:
-            tracker.close()
-
-
-def open_trackers(run_dir: RunDir, config: dict[str, Any], resumed_after: int | None) -> Trackers:
+def open_trackers(
+    run_dir: RunDir, config: dict[str, Any], resumed_after: int | None
+) -> list[Tracker]:
     """Start (or, with ``resumed_after`` the round of the last kept evaluation, continue) the
     tracker runs that ``config["log"]`` names, and record their ids in ``trackers.json``."""
     names = tracker_names(config.get("log"))
     if not names:
-        return Trackers([])
+        return []
     path = run_dir.path / TRACKER_RUNS
     ids: dict[str, Any] = {}
     if resumed_after is not None and path.is_file():
@@ -292,24 +270,4 @@ def open_trackers(run_dir: RunDir, config: dict[str, Any], resumed_after: int | 
             opened.append(TRACKER_CLASSES[name](place, config, start))
             ids[name] = opened[-1].run_id
     atomic_write(path, lambda p: p.write_text(json.dumps(ids, indent=1) + "\n"))
-    return Trackers(opened)
-
-
-@contextlib.contextmanager
-def tracking(
-    run_dir: RunDir | None, config: dict[str, Any], records: list[dict[str, Any]]
-) -> Iterator[None]:
-    """Feed the run's trackers every record ``run_dir`` logs while the block runs; when it ends
-    normally, log the run's artifacts. ``records``: the evaluations already logged (a resumed
-    run's, which its tracker runs already hold)."""
-    if run_dir is None or not config.get("log"):
-        yield
-        return
-    trackers = open_trackers(run_dir, config, records[-1]["round"] if records else None)
-    run_dir.listeners.append(trackers.log_record)
-    try:
-        yield
-        trackers.finish(run_dir.path)
-    finally:
-        run_dir.listeners.remove(trackers.log_record)
-        trackers.close()
+    return opened

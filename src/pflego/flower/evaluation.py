@@ -95,9 +95,3 @@ class EvaluationRounds(TrainingRounds):
     def should_evaluate(self, completed: int) -> bool:
         """Whether the schedule evaluates after ``completed`` rounds (as in the simulator)."""
         return evaluation_due(self.cfg, completed)
-
-    def evaluation_missing(self) -> bool:
-        """Whether the evaluation due at ``next_round`` (a fresh run's round 0, or where a
-        resumed run stopped) is not yet among the records."""
-        due = self.next_round == 0 or self.should_evaluate(self.next_round)
-        return due and (not self.records or self.records[-1]["round"] != self.next_round)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from flwr.serverapp import Grid
@@ -40,8 +41,7 @@ from pflego.flower.secure import SecureAggregation
 from pflego.flower.status import EVENTS, MeteredGrid, log_event, status_line, timed
 from pflego.flower.unsupported import refuse_unsupported
 from pflego.history import History, RunDir
-from pflego.sim.engine import Callback, history_of, train
-from pflego.trackers import tracking
+from pflego.sim.engine import Callback, Checkpoints, Curves, Evaluate, Tracking, train
 
 log = logging.getLogger("pflego.flower")
 CHECKPOINT_KIND = "flower-server"
@@ -118,16 +118,30 @@ class FlowerServer(EvaluationRounds):
             (self.run_dir.path / EVENTS).write_text("")  # a fresh run's own events
 
     def run(self) -> History:
-        """Form the population, then run every round; evaluate, log and checkpoint on schedule."""
+        """Form the population, then run every round; evaluate, log and checkpoint on schedule
+        (callbacks of the training loop, with the curves and trackers)."""
         self.start()
-        with tracking(self.run_dir, to_dict(self.cfg), self.records):
-            if self.evaluation_missing():
-                self.evaluate(self.next_round)
-                self.checkpoint()
-            train(self.next_round, self.cfg.rounds, self.step, [RoundEvents(self)])
-            cfg, records = self.cfg, self.records
-            title = f"{cfg.algorithm} on {cfg.dataset} (Flower)"
-            return history_of(self.run_dir, records, cfg.algorithm, title, bool(records))
+        cfg, records = self.cfg, self.records
+        title = f"{cfg.algorithm} on {cfg.dataset} (Flower)"
+        checkpoints = Checkpoints(lambda: self.timed("checkpoint", self.checkpoint), 1, cfg.rounds)
+        tracking = [Tracking(self.run_dir, to_dict(cfg), records)] if self.run_dir else []
+        curves = [Curves(self.run_dir, records, cfg.algorithm, title)] if self.run_dir else []
+        evaluate = Evaluate(
+            self.should_evaluate, self.evaluation, [*tracking, checkpoints], records
+        )
+        callbacks = [*curves, *tracking, evaluate, checkpoints, RoundEvents(self)]
+        train(self.next_round, cfg.rounds, self.step, callbacks)
+        return History(records, self.run_dir.path if self.run_dir else None)
+
+    def timed(self, phase: str, work: Callable[[], Any]) -> Any:
+        """``work()``, timed as ``phase`` into the event of the round that ran last (if any)."""
+        with timed(self.events[0].setdefault("phases", {}) if self.events else {}, phase):
+            return work()
+
+    def evaluation(self, completed: int) -> dict[str, Any] | None:
+        """The evaluation after ``completed`` rounds, timed; its event joins the round's events
+        (before the first round, it is logged at once)."""
+        return self.timed("evaluate", lambda: self.evaluate(completed, self.events or None))
 
     def step(self, t: int) -> None:
         """Training round ``t``, timed; its event starts the round's ``events``."""
@@ -194,23 +208,16 @@ class FlowerServer(EvaluationRounds):
 
 
 class RoundEvents(Callback):
-    """After each round: evaluate when due and checkpoint (both timed into the round's event),
-    then log the round's events and print its status line."""
+    """After each round (its evaluation and checkpoint timed into its event): log the round's
+    events and print its status line."""
 
     def __init__(self, server: FlowerServer) -> None:
         self.server = server
 
     def on_round_end(self, completed: int) -> None:
-        server = self.server
-        phases = server.events[0].setdefault("phases", {})
-        if server.should_evaluate(completed):
-            with timed(phases, "evaluate"):
-                server.evaluate(completed, server.events)
-        with timed(phases, "checkpoint"):
-            server.checkpoint()
-        for logged in server.events:
-            log_event(server.run_dir, logged)
-        server.status(server.events[0])
+        for logged in self.server.events:
+            log_event(self.server.run_dir, logged)
+        self.server.status(self.server.events[0])
 
 
 __all__ = ["FlowerServer"]

@@ -7,7 +7,7 @@ messages, plain or through SecAgg+), leave out the updates that are not finite, 
 to the realized cohort, run the server step (with central noise under differential privacy) and
 ``mix``, check that the server parameters are finite, and commit the new server state and client
 states together (:func:`run_round`). What happens around rounds (evaluation, checkpoints, the
-divergence check, progress) are :class:`Callback`\\ s of one training loop (:func:`train`);
+divergence check, progress, trackers) are :class:`Callback`\\ s of one training loop (:func:`train`);
 pfl-research's ``TrainingProcessCallback`` is the model: each hook does nothing unless a callback
 overrides it.
 """
@@ -37,6 +37,7 @@ from pflego.sim.guards import (
     loss_exploded,
 )
 from pflego.sim.privacy import Privacy, server_round
+from pflego.trackers import ARTIFACTS, Tracker, metrics_of, open_trackers
 from pflego.types import ClientState, RoundContext, ServerState
 
 if TYPE_CHECKING:
@@ -213,37 +214,52 @@ class Callback:
     def on_train_end(self, completed: int) -> None:
         """After the loop's last round."""
 
+    def on_train_failed(self, error: BaseException) -> None:
+        """When the loop stops with ``error`` (Ctrl-C included) instead of ending."""
+
 
 def train(
     first: int, last: int, step: Callable[[int], None], callbacks: Sequence[Callback]
 ) -> None:
     """Run rounds ``first..last-1`` with ``step`` (the engine's round and its bookkeeping), calling
-    the ``callbacks`` in their order around them."""
-    for callback in callbacks:
-        callback.on_train_begin(first)
-    for t in range(first, last):
-        step(t)
+    the ``callbacks`` in their order around them; if anything raises, each callback's
+    ``on_train_failed`` is called before the error goes on."""
+    try:
         for callback in callbacks:
-            callback.on_round_end(t + 1)
-    for callback in callbacks:
-        callback.on_train_end(last)
+            callback.on_train_begin(first)
+        for t in range(first, last):
+            step(t)
+            for callback in callbacks:
+                callback.on_round_end(t + 1)
+        for callback in callbacks:
+            callback.on_train_end(last)
+    except BaseException as error:
+        for callback in callbacks:
+            callback.on_train_failed(error)
+        raise
 
 
 class Evaluate(Callback):
-    """Evaluate when due, with the run's evaluation entry point, and hand the record to ``then``
-    (which see no ``on_round_end`` from here)."""
+    """Evaluate when due, with the run's evaluation entry point, and hand the record (if any: a
+    Flower evaluation that no node answered has none) to ``then`` (which see no ``on_round_end``
+    from here). The evaluation due when the loop begins is made then, unless the run's
+    ``records`` end with it (a resumed run's)."""
 
     def __init__(
         self,
         due: Callable[[int], bool],
-        evaluate: Callable[[int], Record],
+        evaluate: Callable[[int], Record | None],
         then: Sequence[Callback] = (),
+        records: Sequence[Record] = (),
     ) -> None:
-        self.due, self.evaluate, self.then = due, evaluate, then
+        self.due, self.evaluate, self.then, self.records = due, evaluate, then, records
+
+    def on_train_begin(self, completed: int) -> None:
+        if not self.records or self.records[-1]["round"] != completed:
+            self.on_round_end(completed)
 
     def on_round_end(self, completed: int) -> None:
-        if self.due(completed):
-            record = self.evaluate(completed)
+        if self.due(completed) and (record := self.evaluate(completed)) is not None:
             for callback in self.then:
                 callback.on_evaluation(completed, record)
 
@@ -289,24 +305,70 @@ class DivergenceCheck(Callback):
 
 
 class Checkpoints(Callback):
-    """``save`` every ``every`` rounds and after the last of ``rounds``."""
+    """``save`` every ``every`` rounds, after the last of ``rounds``, and after the evaluation made
+    when the loop begins, so that every interrupted run can be resumed: that one reaches this
+    callback (among :class:`Evaluate`'s ``then``, listed after it) before its ``on_train_begin``."""
 
     def __init__(self, save: Callable[[], None], every: int, rounds: int) -> None:
         self.save, self.every, self.rounds = save, every, rounds
+        self.begun = False
+
+    def on_train_begin(self, completed: int) -> None:
+        self.begun = True
+
+    def on_evaluation(self, completed: int, record: Record) -> None:
+        if not self.begun:
+            self.save()
 
     def on_round_end(self, completed: int) -> None:
         if completed % self.every == 0 or completed == self.rounds:
             self.save()
 
 
-def history_of(
-    run_dir: RunDir | None, records: list[Record], label: str, title: str, plot: bool
-) -> History:
-    """The run's history; with ``plot`` and a run directory, its curves (``label``) drawn under
-    ``title`` into ``curves.png`` too."""
-    history = History(records, run_dir.path if run_dir else None)
-    if run_dir and plot:
-        from pflego.plots import plot_histories
+class Curves(Callback):
+    """Draw the run's curves (``records`` under ``label``) into ``curves.png`` under ``title`` when
+    the loop ends (listed before :class:`Tracking`, which logs the figure)."""
 
-        plot_histories({label: history}, run_dir.path / "curves.png", title)
-    return history
+    def __init__(self, run_dir: RunDir, records: list[Record], label: str, title: str) -> None:
+        self.run_dir, self.records, self.label, self.title = run_dir, records, label, title
+
+    def on_train_end(self, completed: int) -> None:
+        if self.records:
+            from pflego.plots import plot_histories
+
+            history = History(self.records, self.run_dir.path)
+            plot_histories({self.label: history}, self.run_dir.path / "curves.png", self.title)
+
+
+class Tracking(Callback):
+    """The experiment trackers of the run in ``run_dir`` (the ``log`` setting of ``config``,
+    :mod:`pflego.trackers`): opened when the loop begins (continued when ``records`` already hold
+    evaluations: a resumed run's), fed every evaluation with its round as the step, given the
+    run's :data:`~pflego.trackers.ARTIFACTS` when the loop ends, closed however it stops. Listed
+    before :class:`Evaluate` (open first) and among its ``then``."""
+
+    def __init__(self, run_dir: RunDir, config: dict[str, Any], records: list[Record]) -> None:
+        self.run_dir, self.config, self.records = run_dir, config, records
+        self.trackers: list[Tracker] = []
+
+    def on_train_begin(self, completed: int) -> None:
+        resumed_after = self.records[-1]["round"] if self.records else None
+        self.trackers = open_trackers(self.run_dir, self.config, resumed_after)
+
+    def on_evaluation(self, completed: int, record: Record) -> None:
+        for tracker in self.trackers:
+            tracker.log_metrics(metrics_of(record), completed)
+
+    def on_train_end(self, completed: int) -> None:
+        paths = [self.run_dir.path / name for name in ARTIFACTS]
+        for tracker in self.trackers:
+            tracker.log_artifacts([path for path in paths if path.is_file()])
+        self.close()
+
+    def on_train_failed(self, error: BaseException) -> None:
+        self.close()
+
+    def close(self) -> None:
+        trackers, self.trackers = self.trackers, []  # closed once
+        for tracker in trackers:
+            tracker.close()

@@ -31,7 +31,7 @@ class RoundProgress(Callback):
     def __init__(
         self, desc: str, start: int, total: int, enabled: bool, stream: TextIO | None = None
     ) -> None:
-        self.desc, self.total, self.enabled = desc, total, enabled
+        self.desc, self.start, self.total, self.enabled = desc, start, total, enabled
         self.stream = stream or sys.stderr
         self.live = enabled and is_live(self.stream)
         self.bar = tqdm(
@@ -66,7 +66,8 @@ class RoundProgress(Callback):
         self.advance()
 
     def on_evaluation(self, completed: int, record: dict[str, Any]) -> None:
-        self.evaluated(completed, record)
+        if completed > self.start:  # the evaluation at the start: no round done to show it with
+            self.evaluated(completed, record)
 
     def on_train_end(self, completed: int) -> None:
         self.close()

@@ -22,10 +22,11 @@ from pflego.sim.clients import ClientPool, ClientStore, Cohort, validation_split
 from pflego.sim.engine import (
     Callback,
     Checkpoints,
+    Curves,
     DivergenceCheck,
     Evaluate,
     Sampling,
-    history_of,
+    Tracking,
     run_round,
     train,
 )
@@ -36,7 +37,6 @@ from pflego.sim.metrics import build_pools
 from pflego.sim.privacy import Privacy
 from pflego.sim.profile import Profile
 from pflego.sim.progress import RoundProgress
-from pflego.trackers import tracking
 from pflego.tree import Params
 from pflego.types import ClientOut, ClientState, RoundContext, Schedule, ServerState
 
@@ -313,23 +313,14 @@ class Simulation(Evaluation):
                 if wait:
                     self.writer.wait()
 
-    def evaluation_missing(self) -> bool:
-        """Whether the evaluation due after ``next_round`` rounds is not logged yet."""
-        due = self.next_round == 0 or self.should_evaluate(self.next_round)
-        return due and (not self.records or self.records[-1]["round"] != self.next_round)
-
     def run(self, progress: bool = True) -> History:
         """Run the remaining rounds; evaluate, log and checkpoint on schedule.
 
         A checkpoint is written after the first evaluation and on Ctrl-C, so every interrupted
         run can be resumed.
         """
-        cfg = self.cfg
-        with tracking(self.run_dir, to_dict(cfg), self.records), retained_heap():
+        with retained_heap():
             try:
-                if self.evaluation_missing():
-                    self.evaluate(self.next_round)
-                    self.checkpoint()
                 self.train(progress)
             except KeyboardInterrupt:
                 self.on_interrupt()
@@ -340,26 +331,31 @@ class Simulation(Evaluation):
                         self.writer.wait()
                 if self.run_dir and self.run_dir.environment.is_file():
                     self.run_dir.record_backend(self.backend_name)
-            title = f"{cfg.algorithm} on {cfg.dataset}"
-            return history_of(self.run_dir, self.records, cfg.algorithm, title, self.plots)
+        return History(self.records, self.run_dir.path if self.run_dir else None)
 
     def on_interrupt(self) -> None:
         """Ctrl-C: write a checkpoint of the rounds completed and wait until it is on disk."""
         self.checkpoint(wait=True)
 
     def train(self, progress: bool) -> None:
-        """The remaining rounds, with evaluation, the divergence check, checkpoints and progress
-        as callbacks of the training loop."""
-        cfg = self.cfg
-        bar = RoundProgress(
-            f"{cfg.algorithm} on {cfg.dataset}", self.next_round, cfg.rounds, progress
-        )
+        """The remaining rounds, with evaluation (also the one due at the start), the divergence
+        check, checkpoints, progress, curves and trackers as callbacks of the training loop (the
+        process that writes the run directory draws and tracks)."""
+        cfg, title = self.cfg, f"{self.cfg.algorithm} on {self.cfg.dataset}"
+        bar = RoundProgress(title, self.next_round, cfg.rounds, progress)
         divergence = DivergenceCheck(self, self.algorithm.head_width, cfg.divergence == "stop")
+        checkpoints = Checkpoints(self.checkpoint, cfg.checkpoint_every, cfg.rounds)
         probing = isinstance(self.backend, AutoBackend) and self.backend.chosen is None
+        tracking = [Tracking(self.run_dir, to_dict(cfg), self.records)] if self.run_dir else []
+        draws = self.run_dir and self.plots
+        curves = [Curves(self.run_dir, self.records, cfg.algorithm, title)] if draws else []
+        then = [bar, *tracking, divergence, checkpoints]
         callbacks = [
+            *curves,
+            *tracking,
             *([BackendReport(self.backend, bar)] if probing and progress and self.speaks else []),
-            Evaluate(self.should_evaluate, self.evaluate, [bar, divergence]),
-            Checkpoints(self.checkpoint, cfg.checkpoint_every, cfg.rounds),
+            Evaluate(self.should_evaluate, self.evaluate, then, self.records),
+            checkpoints,
             bar,
         ]
         train(self.next_round, cfg.rounds, self.step, callbacks)
