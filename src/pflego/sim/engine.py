@@ -341,11 +341,9 @@ class Curves(Callback):
 
 
 class Tracking(Callback):
-    """The experiment trackers of the run in ``run_dir`` (the ``log`` setting of ``config``,
-    :mod:`pflego.trackers`): opened when the loop begins (continued when ``records`` already hold
-    evaluations: a resumed run's), fed every evaluation with its round as the step, given the
-    run's :data:`~pflego.trackers.ARTIFACTS` when the loop ends, closed however it stops. Listed
-    before :class:`Evaluate` (open first) and among its ``then``."""
+    """The trackers of ``config``'s ``log`` (:mod:`pflego.trackers`): opened when the loop begins
+    (a resumed run's, whose ``records`` they hold, continued), fed every evaluation, given the
+    run's artifacts when it ends, closed however it stops. Listed before :class:`Evaluate`."""
 
     def __init__(self, run_dir: RunDir, config: dict[str, Any], records: list[Record]) -> None:
         self.run_dir, self.config, self.records = run_dir, config, records
