@@ -25,8 +25,8 @@ from pflego.cli.parsing import Parser, leaf_parsers
 from pflego.cli.session import Interrupted, command_environment
 from pflego.errors import PflegoError
 
-#: Every command, in the order of ``pflego --help``: its one-line help there, and the function
-#: (``module:name``) that adds it and its flags (tests/test_cli.py holds the two helps equal).
+#: Every command, in the order of ``pflego --help``: its one-line help there (and atop its own
+#: ``--help``), and the function (``module:name``) that adds it and its flags.
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("run one experiment", "pflego.cli.run:add_command"),
     "compare": (
@@ -67,9 +67,14 @@ class Commands(argparse._SubParsersAction):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        for name, (text, _) in COMMANDS.items():
-            self.add_parser(name, help=text)
+        for name in COMMANDS:
+            self.add_parser(name)
         self.pending = dict.fromkeys(COMMANDS)
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        """A command's parser, with its one-line help of :data:`COMMANDS`."""
+        kwargs.setdefault("help", COMMANDS[name][0])
+        return super().add_parser(name, **kwargs)
 
     def build(self, name: str) -> None:
         """Replace the stand-ins of ``name``'s module by the real parsers (with ``--threads``)."""

@@ -23,33 +23,18 @@ from pflego.cli.flags import (
 from pflego.cli.session import interrupted_experiment
 from pflego.errors import ConfigError
 
-#: command -> its line in ``pflego --help``, then the description atop its own ``--help``
-COMMANDS = {
-    "reproduce": (
-        "run a paper experiment (a preset) and write its table beside the paper's numbers",
-        "Run every row of a preset and write report.md (paper vs ours, mean ± std over seeds), "
-        "report.csv, report.png and every run directory. Rerunning the same command finishes an "
-        "interrupted reproduction without repeating finished runs.",
-    ),
-    "tune": (
-        "grid search on validation data, then rerun the choice with --seeds",
-        "Run every grid point for the same rounds, choose the highest mean validation accuracy "
-        "of the last evaluations (test data is never read), rerun the choice with --seeds and "
-        "report its test accuracy. Writes tune.md and chosen.yaml.",
-    ),
-    "report": (
-        "rebuild a comparison table and figure from existing run directories",
-        "Rebuild report.md / report.csv / report.png from an experiment directory (reproduce, "
-        "compare, run --seeds) or from run directories (runs equal but for the seed form one "
-        "row). Nothing is trained.",
-    ),
+#: command -> the description atop its own ``--help``
+DESCRIPTIONS = {
+    "reproduce": "Run every row of a preset and write report.md (paper vs ours, mean ± std over "
+    "seeds), report.csv, report.png and every run directory. Rerunning the same command finishes "
+    "an interrupted reproduction without repeating finished runs.",
+    "tune": "Run every grid point for the same rounds, choose the highest mean validation accuracy "
+    "of the last evaluations (test data is never read), rerun the choice with --seeds and "
+    "report its test accuracy. Writes tune.md and chosen.yaml.",
+    "report": "Rebuild report.md / report.csv / report.png from an experiment directory (reproduce, "
+    "compare, run --seeds) or from run directories (runs equal but for the seed form one "
+    "row). Nothing is trained.",
 }
-
-
-def _add_parser(sub: Any, name: str) -> argparse.ArgumentParser:
-    """Add command ``name`` of :data:`COMMANDS` with its help and description."""
-    text, description = COMMANDS[name]
-    return sub.add_parser(name, help=text, description=description)
 
 
 # --- reproduce -----------------------------------------------------------------------------------
@@ -108,7 +93,7 @@ def print_presets(presets: list) -> None:
 
 
 def add_reproduce(sub: Any) -> None:
-    p = _add_parser(sub, "reproduce")
+    p = sub.add_parser("reproduce", description=DESCRIPTIONS["reproduce"])
     p.add_argument("name", nargs="?", help="preset name (see --list) or a preset YAML file")
     p.add_argument("--list", action="store_true", help="list the presets and the data each needs")
     add_flag(p, "--seeds")
@@ -185,7 +170,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def add_tune(sub: Any) -> None:
-    p = _add_parser(sub, "tune")
+    p = sub.add_parser("tune", description=DESCRIPTIONS["tune"])
     add_run_flags(
         p, without=("seed",), out="output directory (default: runs/tune-<algorithm>-<date>-<time>)"
     )
@@ -228,7 +213,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def add_report(sub: Any) -> None:
-    p = _add_parser(sub, "report")
+    p = sub.add_parser("report", description=DESCRIPTIONS["report"])
     p.add_argument(
         "dirs", nargs="+", metavar="DIR", help="an experiment directory or run directories"
     )
