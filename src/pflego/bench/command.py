@@ -6,8 +6,8 @@ import argparse
 from typing import Any
 
 from pflego.bench.against import AGAINST_ALGORITHMS, AGAINST_MODELS
+from pflego.bench.fresh_process import SCALE_CLIENTS
 from pflego.bench.report import SPEED_SECTIONS, run_bench
-from pflego.bench.scale import SCALE_CLIENTS
 
 DESCRIPTION = (
     "``pflego bench``: speed, client FLOPs and memory of the simulator, measured in one process."
