@@ -15,8 +15,8 @@ import numpy as np
 
 from pflego.experiments import measures as M
 from pflego.experiments.presets import ALL
-from pflego.experiments.report_formatting import block_title, unit
 from pflego.experiments.report_rows import RowResult, rows_by_block
+from pflego.experiments.report_tables import block_title, unit
 from pflego.experiments.runs import Plan
 
 
