@@ -1,15 +1,9 @@
 """The ``pflego`` command: run, compare, plot, list, reproduce, tune, report, bench and flower.
 
 Every user error ends with a one-line message on stderr and exit code 2, never a traceback.
-Every flag's help shows its default and its choices; abbreviated flags are refused.
-
-:func:`build_parser` gathers the commands from their modules (:mod:`~pflego.cli.run`,
-:mod:`~pflego.cli.compare`, :mod:`~pflego.cli.tools`, :mod:`~pflego.cli.experiments`,
-:mod:`~pflego.cli.flower`, and ``bench`` from :mod:`pflego.bench`); the flags that several
-commands share are defined once in :mod:`~pflego.cli.flags`. A command's flags show the
-registries' choices and defaults, which imports torch, so :class:`Commands` builds a command's
-parser only when that command is chosen: ``pflego --help`` and ``pflego --version`` import
-neither torch nor a command module.
+Every flag's help shows its default and its choices; abbreviated flags are refused. A command's
+parser imports torch and the registries, so :class:`Commands` builds it only when that command is
+chosen: ``pflego --help`` and ``pflego --version`` import neither torch nor a command module.
 """
 
 from __future__ import annotations

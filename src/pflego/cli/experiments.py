@@ -107,10 +107,7 @@ def add_reproduce(sub: Any) -> None:
         action="store_true",
         help="use the preset's offline stand-in data (stated in the report; not the paper's data)",
     )
-    p.add_argument(
-        "--data-dir",
-        help="folder with the datasets' files (default $PFLEGO_DATA or ~/.cache/pflego/data)",
-    )
+    add_run_setting(p, "data_dir")
     add_flag(p, "--out", help="output directory (default runs/<name>[-quick][-offline][-tuned])")
     add_flag(p, "--overwrite")
     p.add_argument(

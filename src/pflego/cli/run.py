@@ -138,7 +138,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_run_seeds(args: argparse.Namespace) -> int:
     """``pflego run --seeds``: the same setting with several seeds, and a report over them."""
-    from pflego.experiments.reproduce import run_seeds, stamp
+    from pflego.experiments.folders import stamp
+    from pflego.experiments.reproduce import run_seeds
     from pflego.experiments.seeds import parse_seeds
 
     settings = settings_from_args(args)
