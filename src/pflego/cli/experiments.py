@@ -134,9 +134,9 @@ def add_reproduce(sub: Any) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from pflego.config import read_yaml
-    from pflego.experiments.presets import flatten, merge
+    from pflego.experiments.presets import flatten, grid_points, merge
     from pflego.experiments.seeds import parse_seeds
-    from pflego.experiments.tune import grid_keys, parse_grid, tune
+    from pflego.experiments.tune import parse_grid, tune
 
     flags = settings_from_args(args)
     if "seed" in flags:
@@ -144,7 +144,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
             "tune takes --tune-seeds (grid runs) and --seeds (final runs), not --seed"
         )
     grid = parse_grid(args.grid)
-    clash = sorted(grid_keys(grid) & set(flatten(flags)))
+    grid_keys = {key for point in grid_points(grid) for key in flatten(point)}
+    clash = sorted(grid_keys & set(flatten(flags)))
     if clash:
         raise ConfigError(f"{clash[0]} is both a flag and a --grid dimension; give it once")
     settings = merge(read_yaml(args.config) if args.config else {}, flags)

@@ -88,22 +88,23 @@ def _start(args: argparse.Namespace, progress: bool) -> Any:
     config = load_config(args.config, **settings_from_args(args))
     out = Path(args.out or config.out or default_out(config)).expanduser()
     _claim_out(out, args.overwrite)
+    distributed_run = distributed(args.nproc)  # --nproc N, or one process torchrun started
+    created = None if distributed_run else claim_run_dir(out, to_dict(config), args.overwrite)
     try:
-        if distributed(args.nproc):  # --nproc N, or one process torchrun started
+        if distributed_run:
             return run(
                 config, out, progress, args.overwrite, args.profile, args.nproc, args.threads
             )
-        created = claim_run_dir(out, to_dict(config), args.overwrite)
         profile = Profile(startup=process_age()) if args.profile else None
-        try:
-            with profile.part("data") if profile else contextlib.nullcontext():
-                experiment = build_experiment(config)
-            return run_experiment(experiment, out, progress, profile)
-        except PflegoError:
-            release_run_dir(out, created)  # when it failed before it started
-            raise
+        with profile.part("data") if profile else contextlib.nullcontext():
+            experiment = build_experiment(config)
+        return run_experiment(experiment, out, progress, profile)
     except KeyboardInterrupt:
         raise _resumable(out) from None
+    except PflegoError:
+        if created is not None:
+            release_run_dir(out, created)  # when it failed before it started
+        raise
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from pflego.experiments.report_tables import (
     paper_text,
     ranking_table,
     seed_table,
+    several_seeds,
     unit,
     window_text,
     windows,
@@ -159,11 +160,6 @@ def render_markdown(plan: Plan, rows: list[RowResult], target_acc: float | None)
             "`pflego report <this folder>` rebuilds this report."
         )
     return "\n".join(lines).rstrip() + "\n"
-
-
-def several_seeds(rows: list[RowResult]) -> bool:
-    """Whether some row ran with more than one seed (else no ± and no "mean over seeds")."""
-    return max((len(r.seeds) for r in rows), default=1) > 1
 
 
 def spread_text(rows: list[RowResult]) -> str:

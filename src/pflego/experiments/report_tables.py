@@ -67,9 +67,13 @@ def window_text(window: tuple[int, int, int]) -> str:
     return f"mean of the last {count} evaluation{'s' if count > 1 else ''} ({span})"
 
 
+def several_seeds(rows: list[RowResult]) -> bool:
+    """Whether some row ran with more than one seed (else no ± and no "mean over seeds")."""
+    return max((len(r.seeds) for r in rows), default=1) > 1
+
+
 def seeds_text(rows: list[RowResult]) -> str:
-    counts = {len(r.seeds) for r in rows}
-    n = counts.pop() if len(counts) == 1 else max(counts, default=0)
+    n = max((len(r.seeds) for r in rows), default=0)
     return "1 seed" if n == 1 else f"mean ± std over {n} seeds"
 
 

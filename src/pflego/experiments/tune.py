@@ -107,18 +107,6 @@ class Tuning:
         return plan
 
 
-def grid_keys(grid: list[tuple[str, list[Any]]]) -> set[str]:
-    """The settings a grid sets (joint dimensions contribute their values' keys)."""
-    keys: set[str] = set()
-    for name, values in grid:
-        if values and isinstance(values[0], dict):
-            for value in values:
-                keys |= set(flatten(value))
-        else:
-            keys.add(name)
-    return keys
-
-
 @dataclass
 class PointScore:
     """A grid point's validation scores."""
