@@ -6,8 +6,8 @@ import argparse
 from typing import Any
 
 from pflego.bench.against import AGAINST_ALGORITHMS, AGAINST_MODELS
+from pflego.bench.fresh_process import SCALE_CLIENTS
 from pflego.bench.report import SPEED_SECTIONS, run_bench
-from pflego.bench.scale import SCALE_CLIENTS
 
 DESCRIPTION = (
     "``pflego bench``: speed, client FLOPs and memory of the simulator, measured in one process."
@@ -43,11 +43,7 @@ def _handler(args: argparse.Namespace) -> int:
 
 def add_commands(subparsers: Any) -> None:
     """Add ``bench`` to an argparse subparsers object (its handler returns an exit code)."""
-    parser = subparsers.add_parser(
-        "bench",
-        help="measure simulator speed, client FLOPs and memory, or compare with the usual way",
-        description=DESCRIPTION,
-    )
+    parser = subparsers.add_parser("bench", description=DESCRIPTION)
     parser.add_argument(
         "--data-dir",
         default=None,
@@ -76,13 +72,6 @@ def add_commands(subparsers: Any) -> None:
         type=int,
         default=10_000,
         help="population of the peak-memory section",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: $OMP_NUM_THREADS if set, else half the CPU cores, "
-        "at most 4)",
     )
     parser.add_argument("--out", default="bench.md", help="Markdown file to write")
     parser.add_argument(

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pflego.bench.fresh_process import PACKAGE_PARENT
+from pflego.bench.fresh_process import child_env
 from pflego.history import History
 
 #: The settings of the ``--nproc`` rows (``pflego run`` flags).
@@ -32,11 +32,9 @@ NPROC_SETTINGS = {
 
 def timed_command(argv: list[str]) -> float:
     """Wall-clock seconds of ``python -m pflego.cli ARGV`` in a fresh process (this pflego)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_PARENT), env.get("PYTHONPATH")]))
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "pflego.cli", *argv], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "pflego.cli", *argv], capture_output=True, text=True, env=child_env()
     )
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]

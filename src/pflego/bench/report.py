@@ -12,12 +12,9 @@ from pathlib import Path
 import torch
 
 from pflego.bench.against import AGAINST_ALGORITHMS, AGAINST_MODELS, against_section
-from pflego.bench.backends import backend_section
-from pflego.bench.memory import memory_section
+from pflego.bench.fresh_process import memory_section, scale_section
 from pflego.bench.parallel import parallel_section
-from pflego.bench.scale import scale_section
-from pflego.bench.shared import Bench, pick_dataset
-from pflego.bench.tau import tau_section
+from pflego.bench.shared import Bench, backend_section, pick_dataset, tau_section
 from pflego.config import load_config
 from pflego.errors import ConfigError
 
@@ -41,28 +38,10 @@ def run_bench(
     parallel_rounds: int = 20,
     device: str = "cpu",
 ) -> str:
-    """Run the benchmark and return (and optionally write) its Markdown report.
+    """Run the benchmark's ``sections`` and return (and optionally write to ``out``) its Markdown.
 
-    Args:
-        data_dir: Where ``mnist/`` lives; without it the embedded ``mnist5k`` is used.
-        clients: Population for the speed and FLOP measurements.
-        participation: Fraction of clients per round.
-        taus: Local step counts for the FLOP / wall-clock sweep.
-        backend_tau: Full-batch local steps in the backend comparison (minibatch runs run
-            one local epoch).
-        rounds: Timed rounds per cell (the median is reported).
-        memory_clients: Population of the peak-memory run.
-        threads: ``torch.set_num_threads`` (default: leave as is).
-        out: Markdown file to write, or ``None``.
-        sections: Which of ``backends``, ``tau``, ``memory``, ``against`` (the comparison with
-            the conventional way), ``scale`` (``clients`` generated clients) and ``parallel``
-            (whole commands on 1 and 2 worker processes) to run.
-        against_rounds: Rounds each side of the comparison runs (the first is a warm-up).
-        models: The comparison's models.
-        algorithms: The comparison's algorithms.
-        parallel_rounds: Rounds of every run of the ``parallel`` section.
-        device: Where the ``against`` section runs both sides (``cuda``: a GPU); the other
-            sections run on the CPU.
+    The arguments are ``pflego bench``'s flags (``--help`` says what each means); ``threads``
+    ``None`` leaves torch's threads as they are, ``out`` ``None`` writes no file.
 
     Raises:
         ConfigError: ``device`` is not the CPU and a section other than ``against`` is asked

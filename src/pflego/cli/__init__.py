@@ -1,15 +1,9 @@
 """The ``pflego`` command: run, compare, plot, list, reproduce, tune, report, bench and flower.
 
 Every user error ends with a one-line message on stderr and exit code 2, never a traceback.
-Every flag's help shows its default and its choices; abbreviated flags are refused.
-
-:func:`build_parser` gathers the commands from their modules (:mod:`~pflego.cli.run`,
-:mod:`~pflego.cli.compare`, :mod:`~pflego.cli.tools`, :mod:`~pflego.cli.experiments`,
-:mod:`~pflego.cli.flower`, and ``bench`` from :mod:`pflego.bench`); the flags that several
-commands share are defined once in :mod:`~pflego.cli.flags`. A command's flags show the
-registries' choices and defaults, which imports torch, so :class:`Commands` builds a command's
-parser only when that command is chosen: ``pflego --help`` and ``pflego --version`` import
-neither torch nor a command module.
+Every flag's help shows its default and its choices; abbreviated flags are refused. A command's
+parser imports torch and the registries, so :class:`Commands` builds it only when that command is
+chosen: ``pflego --help`` and ``pflego --version`` import neither torch nor a command module.
 """
 
 from __future__ import annotations
@@ -25,8 +19,8 @@ from pflego.cli.parsing import Parser, leaf_parsers
 from pflego.cli.session import Interrupted, command_environment
 from pflego.errors import PflegoError
 
-#: Every command, in the order of ``pflego --help``: its one-line help there, and the function
-#: (``module:name``) that adds it and its flags (tests/test_cli.py holds the two helps equal).
+#: Every command, in the order of ``pflego --help``: its one-line help there (and atop its own
+#: ``--help``), and the function (``module:name``) that adds it and its flags.
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("run one experiment", "pflego.cli.run:add_command"),
     "compare": (
@@ -67,9 +61,14 @@ class Commands(argparse._SubParsersAction):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        for name, (text, _) in COMMANDS.items():
-            self.add_parser(name, help=text)
+        for name in COMMANDS:
+            self.add_parser(name)
         self.pending = dict.fromkeys(COMMANDS)
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        """A command's parser, with its one-line help of :data:`COMMANDS`."""
+        kwargs.setdefault("help", COMMANDS[name][0])
+        return super().add_parser(name, **kwargs)
 
     def build(self, name: str) -> None:
         """Replace the stand-ins of ``name``'s module by the real parsers (with ``--threads``)."""

@@ -37,8 +37,9 @@ def finished(report: Any) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """``pflego compare``: validate everything first, run, print the main table."""
+    from pflego.experiments.folders import stamp
     from pflego.experiments.report import build_report
-    from pflego.experiments.reproduce import compare, stamp
+    from pflego.experiments.reproduce import compare
     from pflego.experiments.seeds import parse_seeds
 
     settings = settings_from_args(args)
@@ -47,14 +48,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
             "compare takes --algorithms (comma-separated, e.g. --algorithms pflego,fedavg), "
             "not --algorithm"
         )
-    names = None
+    names = None  # the file's rows; an empty list is refused by compare()
     if args.algorithms is not None:
         names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-        if not names:
-            raise ConfigError("--algorithms is empty; name at least one (see `pflego list`)")
-    if args.resume and (
-        names or settings or args.config or args.seeds or args.out or args.overwrite
-    ):
+    given = args.algorithms is not None or settings or args.config or args.seeds or args.out
+    if args.resume and (given or args.overwrite):
         raise ConfigError(
             f"compare --resume {args.resume} finishes that comparison as it was started; "
             "give no other settings"
@@ -106,9 +104,7 @@ def defaults() -> dict[str, str]:
 
 def add_command(sub: Any) -> None:
     """Add ``compare`` to the ``pflego`` command's subparsers."""
-    parser = sub.add_parser(
-        "compare", help="run several algorithms and compare them (no flags: the main experiment)"
-    )
+    parser = sub.add_parser("compare")
     add_run_flags(
         parser,
         without=("algorithm",),

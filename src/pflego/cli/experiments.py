@@ -23,33 +23,18 @@ from pflego.cli.flags import (
 from pflego.cli.session import interrupted_experiment
 from pflego.errors import ConfigError
 
-#: command -> its line in ``pflego --help``, then the description atop its own ``--help``
-COMMANDS = {
-    "reproduce": (
-        "run a paper experiment (a preset) and write its table beside the paper's numbers",
-        "Run every row of a preset and write report.md (paper vs ours, mean ± std over seeds), "
-        "report.csv, report.png and every run directory. Rerunning the same command finishes an "
-        "interrupted reproduction without repeating finished runs.",
-    ),
-    "tune": (
-        "grid search on validation data, then rerun the choice with --seeds",
-        "Run every grid point for the same rounds, choose the highest mean validation accuracy "
-        "of the last evaluations (test data is never read), rerun the choice with --seeds and "
-        "report its test accuracy. Writes tune.md and chosen.yaml.",
-    ),
-    "report": (
-        "rebuild a comparison table and figure from existing run directories",
-        "Rebuild report.md / report.csv / report.png from an experiment directory (reproduce, "
-        "compare, run --seeds) or from run directories (runs equal but for the seed form one "
-        "row). Nothing is trained.",
-    ),
+#: command -> the description atop its own ``--help``
+DESCRIPTIONS = {
+    "reproduce": "Run every row of a preset and write report.md (paper vs ours, mean ± std over "
+    "seeds), report.csv, report.png and every run directory. Rerunning the same command finishes "
+    "an interrupted reproduction without repeating finished runs.",
+    "tune": "Run every grid point for the same rounds, choose the highest mean validation accuracy "
+    "of the last evaluations (test data is never read), rerun the choice with --seeds and "
+    "report its test accuracy. Writes tune.md and chosen.yaml.",
+    "report": "Rebuild report.md / report.csv / report.png from an experiment directory (reproduce, "
+    "compare, run --seeds) or from run directories (runs equal but for the seed form one "
+    "row). Nothing is trained.",
 }
-
-
-def _add_parser(sub: Any, name: str) -> argparse.ArgumentParser:
-    """Add command ``name`` of :data:`COMMANDS` with its help and description."""
-    text, description = COMMANDS[name]
-    return sub.add_parser(name, help=text, description=description)
 
 
 # --- reproduce -----------------------------------------------------------------------------------
@@ -108,7 +93,7 @@ def print_presets(presets: list) -> None:
 
 
 def add_reproduce(sub: Any) -> None:
-    p = _add_parser(sub, "reproduce")
+    p = sub.add_parser("reproduce", description=DESCRIPTIONS["reproduce"])
     p.add_argument("name", nargs="?", help="preset name (see --list) or a preset YAML file")
     p.add_argument("--list", action="store_true", help="list the presets and the data each needs")
     add_flag(p, "--seeds")
@@ -122,10 +107,7 @@ def add_reproduce(sub: Any) -> None:
         action="store_true",
         help="use the preset's offline stand-in data (stated in the report; not the paper's data)",
     )
-    p.add_argument(
-        "--data-dir",
-        help="folder with the datasets' files (default $PFLEGO_DATA or ~/.cache/pflego/data)",
-    )
+    add_run_setting(p, "data_dir")
     add_flag(p, "--out", help="output directory (default runs/<name>[-quick][-offline][-tuned])")
     add_flag(p, "--overwrite")
     p.add_argument(
@@ -152,9 +134,9 @@ def add_reproduce(sub: Any) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from pflego.config import read_yaml
-    from pflego.experiments.presets import flatten, merge
+    from pflego.experiments.presets import flatten, grid_points, merge
     from pflego.experiments.seeds import parse_seeds
-    from pflego.experiments.tune import grid_keys, parse_grid, tune
+    from pflego.experiments.tune import parse_grid, tune
 
     flags = settings_from_args(args)
     if "seed" in flags:
@@ -162,7 +144,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
             "tune takes --tune-seeds (grid runs) and --seeds (final runs), not --seed"
         )
     grid = parse_grid(args.grid)
-    clash = sorted(grid_keys(grid) & set(flatten(flags)))
+    grid_keys = {key for point in grid_points(grid) for key in flatten(point)}
+    clash = sorted(grid_keys & set(flatten(flags)))
     if clash:
         raise ConfigError(f"{clash[0]} is both a flag and a --grid dimension; give it once")
     settings = merge(read_yaml(args.config) if args.config else {}, flags)
@@ -185,7 +168,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def add_tune(sub: Any) -> None:
-    p = _add_parser(sub, "tune")
+    p = sub.add_parser("tune", description=DESCRIPTIONS["tune"])
     add_run_flags(
         p, without=("seed",), out="output directory (default: runs/tune-<algorithm>-<date>-<time>)"
     )
@@ -228,7 +211,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def add_report(sub: Any) -> None:
-    p = _add_parser(sub, "report")
+    p = sub.add_parser("report", description=DESCRIPTIONS["report"])
     p.add_argument(
         "dirs", nargs="+", metavar="DIR", help="an experiment directory or run directories"
     )

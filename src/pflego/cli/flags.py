@@ -17,6 +17,7 @@ from typing import Any
 
 from pflego.cli.session import default_threads
 from pflego.errors import ConfigError
+from pflego.fields import check_value
 
 #: config key -> help of the settings with a flag of their own, in ``--help`` order; the flag is
 #: the key with dashes. The help gains the setting's default (and its choices, see :func:`choices`).
@@ -366,8 +367,9 @@ def workers_from_args(args: argparse.Namespace) -> Any:
 
 def check_target(value: float | None) -> float | None:
     """``--target-acc``, a fraction in (0, 1] or ``None``."""
-    if value is not None and not 0 < value <= 1:
-        raise ConfigError(f"--target-acc {value} must be a fraction in (0, 1], e.g. 0.7")
+    from pflego.experiments.presets import TARGET_ACC
+
+    check_value("--target-acc", value, TARGET_ACC)
     return value
 
 

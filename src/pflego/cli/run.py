@@ -78,19 +78,37 @@ def _claim_out(out: Path, overwrite: bool) -> None:
         clear_out(out)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def _start(args: argparse.Namespace, progress: bool) -> Any:
+    """A new run of the flags' settings (over ``--nproc`` processes where asked); its history."""
     from pflego.config import load_config, to_dict
     from pflego.history import claim_run_dir, release_run_dir
-    from pflego.sim import (
-        Profile,
-        build_experiment,
-        default_out,
-        process_age,
-        resume,
-        run,
-        run_experiment,
-    )
+    from pflego.sim import Profile, build_experiment, default_out, process_age, run, run_experiment
     from pflego.sim.distributed import distributed
+
+    config = load_config(args.config, **settings_from_args(args))
+    out = Path(args.out or config.out or default_out(config)).expanduser()
+    _claim_out(out, args.overwrite)
+    distributed_run = distributed(args.nproc)  # --nproc N, or one process torchrun started
+    created = None if distributed_run else claim_run_dir(out, to_dict(config), args.overwrite)
+    try:
+        if distributed_run:
+            return run(
+                config, out, progress, args.overwrite, args.profile, args.nproc, args.threads
+            )
+        profile = Profile(startup=process_age()) if args.profile else None
+        with profile.part("data") if profile else contextlib.nullcontext():
+            experiment = build_experiment(config)
+        return run_experiment(experiment, out, progress, profile)
+    except KeyboardInterrupt:
+        raise _resumable(out) from None
+    except PflegoError:
+        if created is not None:
+            release_run_dir(out, created)  # when it failed before it started
+        raise
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pflego.sim import resume
 
     if args.seeds is not None:
         if args.profile:
@@ -98,7 +116,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.nproc is not None:
             raise ConfigError("--nproc spreads a single run; remove --seeds or --nproc")
         return cmd_run_seeds(args)
-    progress, profile = not args.quiet, None
+    progress = not args.quiet
     if args.resume:
         rounds = _resume_rounds(args)
         say = lambda line: print(f"pflego: {line}", file=sys.stderr, flush=True)  # noqa: E731
@@ -108,31 +126,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
         except KeyboardInterrupt:
             raise _resumable(args.resume) from None
-    elif distributed(args.nproc):  # --nproc N, or one process torchrun started
-        config = load_config(args.config, **settings_from_args(args))
-        out = Path(args.out or config.out or default_out(config)).expanduser()
-        _claim_out(out, args.overwrite)
-        try:
-            history = run(
-                config, out, progress, args.overwrite, args.profile, args.nproc, args.threads
-            )
-        except KeyboardInterrupt:
-            raise _resumable(out) from None
     else:
-        config = load_config(args.config, **settings_from_args(args))
-        out = Path(args.out or config.out or default_out(config)).expanduser()
-        _claim_out(out, args.overwrite)
-        created = claim_run_dir(out, to_dict(config), args.overwrite)
-        profile = Profile(startup=process_age()) if args.profile else None
-        try:
-            with profile.part("data") if profile else contextlib.nullcontext():
-                experiment = build_experiment(config)
-            history = run_experiment(experiment, out, progress, profile)
-        except KeyboardInterrupt:
-            raise _resumable(out) from None
-        except PflegoError:
-            release_run_dir(out, created)  # when it failed before it started
-            raise
+        history = _start(args, progress)
     if history.run_dir is None:  # a process of a distributed run other than rank 0
         return 0
     print(summary(history))
@@ -144,7 +139,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_run_seeds(args: argparse.Namespace) -> int:
     """``pflego run --seeds``: the same setting with several seeds, and a report over them."""
-    from pflego.experiments.reproduce import run_seeds, stamp
+    from pflego.experiments.folders import stamp
+    from pflego.experiments.reproduce import run_seeds
     from pflego.experiments.seeds import parse_seeds
 
     settings = settings_from_args(args)
@@ -175,7 +171,7 @@ def cmd_run_seeds(args: argparse.Namespace) -> int:
 
 def add_command(sub: Any) -> None:
     """Add ``run`` to the ``pflego`` command's subparsers."""
-    parser = sub.add_parser("run", help="run one experiment")
+    parser = sub.add_parser("run")
     add_run_flags(parser)
     add_flag(
         parser,

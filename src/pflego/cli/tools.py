@@ -44,15 +44,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     """Add ``plot`` and ``list`` to the ``pflego`` command's subparsers."""
-    plot = sub.add_parser(
-        "plot", help="plot runs' training loss and test accuracy (mean, bottom decile)"
-    )
+    plot = sub.add_parser("plot")
     plot.add_argument("runs", nargs="+", help="run directories")
     add_flag(plot, "--out", default=Path("comparison.png"), help="PNG file to write")
     plot.add_argument("--title", help="figure title (default: the runs' algorithms and dataset)")
     plot.set_defaults(handler=cmd_plot)
 
-    listing = sub.add_parser(
-        "list", help="list algorithms (with their step sizes and options), datasets and models"
-    )
-    listing.set_defaults(handler=cmd_list)
+    sub.add_parser("list").set_defaults(handler=cmd_list)

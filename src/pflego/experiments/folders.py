@@ -12,8 +12,10 @@ refuses a folder of another kind, and one of the same kind unless the command co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from datetime import datetime
 from pathlib import Path
 
 from pflego.errors import ConfigError
@@ -43,30 +45,32 @@ CONTINUE = {
 }
 
 
+def manifest(folder: Path) -> dict:
+    """``folder``'s experiment manifest as read, or ``{}`` (none, or not a JSON object)."""
+    try:
+        values = json.loads((folder / EXPERIMENT_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return values if isinstance(values, dict) else {}
+
+
+def stamp() -> str:
+    """The date and time that name a new default output folder (``20250131-154500``)."""
+    return datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
 def kind_of(folder: Path) -> str | None:
     """What pflego wrote in ``folder``: ``run``, ``comparison``, ``reproduction``, ``run over
     seeds``, ``tuning``, ``report``, or ``None`` (nothing of pflego's, or no folder)."""
     if any((folder / name).exists() for name in RUN_FILES):
         return "run"
     if (folder / EXPERIMENT_MANIFEST).is_file():
-        try:
-            kind = json.loads((folder / EXPERIMENT_MANIFEST).read_text()).get("kind")
-        except (OSError, ValueError, AttributeError):
-            kind = None
-        return MANIFEST_KINDS.get(kind, "experiment")
+        return MANIFEST_KINDS.get(manifest(folder).get("kind"), "experiment")
     if any((folder / n).exists() for n in TUNING_FILES) or (folder / "grid").is_dir():
         return "tuning"
     if any((folder / n).exists() for n in REPORT_FILES):
         return "report"
     return None
-
-
-def manifest_name(folder: Path) -> str | None:
-    """The experiment name in ``folder``'s manifest, or ``None``."""
-    try:
-        return json.loads((folder / EXPERIMENT_MANIFEST).read_text()).get("name")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def check_out(
@@ -95,7 +99,7 @@ def check_out(
     if found is None or overwrite:
         return found
     if continues and found == kind:
-        held = manifest_name(out)
+        held = manifest(out).get("name")
         if name is None or held in (None, name) or held.startswith(f"{name}, "):
             return found  # a preset run with changes is named "<preset>, <changes>"
         raise ConfigError(
@@ -121,12 +125,8 @@ def clear_out(out: Path) -> None:
         return
     names = {*RUN_OUTPUTS, DIVERGED, COSTS_FILE, *TUNING_FILES, *REPORT_FILES}
     names |= {EXPERIMENT_MANIFEST, "tune", "grid", "final"}
-    if (out / EXPERIMENT_MANIFEST).is_file():
-        try:
-            runs = json.loads((out / EXPERIMENT_MANIFEST).read_text()).get("runs", [])
-            names |= {str(r["dir"]).split("/")[0] for r in runs}
-        except (OSError, ValueError, AttributeError, KeyError, TypeError):
-            pass
+    with contextlib.suppress(KeyError, TypeError):  # a damaged manifest names no run
+        names |= {str(r["dir"]).split("/")[0] for r in manifest(out).get("runs", [])}
     for name in names:
         path = out / name
         if path.is_dir() and not path.is_symlink():

@@ -2,12 +2,8 @@
 
 Names follow ``metrics.jsonl``: an accuracy key ends in ``acc`` (or carries a view suffix, e.g.
 ``test_acc_global``) and is a fraction in files, shown in percent in tables. The final value of a
-metric is the mean of the evaluations in the last ``average_last`` rounds (:meth:`History.final_window`),
-never including round 0. Beside the final value: the test metric at the round of best validation
-accuracy (when a validation split exists; never the best test round), the top decile and the
-standard deviation over clients, the participation gap (when some clients never trained), the first
-round that reaches a target accuracy, the per-client gain over a ``local`` run of the same partition and seed, and
-per-round communication and client FLOPs measured once from round 0 (:func:`measure_costs`).
+metric is the mean of the evaluations in the last ``average_last`` rounds
+(:meth:`History.final_window`), never including round 0.
 """
 
 from __future__ import annotations
@@ -114,16 +110,17 @@ def gain_over_local(
     run_dir, local_dir = Path(run_dir), Path(local_dir)
     if (run_dir / "partition.json").read_text() != (local_dir / "partition.json").read_text():
         return None
-    ours = client_values(
-        run_dir, metric, {r["round"] for r in History.load(run_dir).final_window(last)}
-    )
-    local = client_values(
-        local_dir, metric, {r["round"] for r in History.load(local_dir).final_window(last)}
-    )
+    ours, local = (final_client_values(d, metric, last) for d in (run_dir, local_dir))
     gains = [ours[c] - local[c] for c in ours if c in local]
     if not gains:
         return None
     return float(np.mean(gains)), float(np.std(gains))
+
+
+def final_client_values(run_dir: Path, metric: str, last: int) -> dict[int, float]:
+    """Each client's final value of ``metric`` (the mean over the final window's evaluations)."""
+    rounds = {r["round"] for r in History.load(run_dir).final_window(last)}
+    return client_values(run_dir, metric, rounds)
 
 
 def group_values(run_dir: str | Path, metric: str, last: int) -> dict[str, float]:
@@ -131,9 +128,8 @@ def group_values(run_dir: str | Path, metric: str, last: int) -> dict[str, float
     run_dir = Path(run_dir)
     partition = json.loads((run_dir / "partition.json").read_text())
     group_of = {row["client"]: str(row["group"]) for row in partition if "group" in row}
-    rounds = {r["round"] for r in History.load(run_dir).final_window(last)}
     by_group: dict[str, list[float]] = {}
-    for client, v in client_values(run_dir, metric, rounds).items():
+    for client, v in final_client_values(run_dir, metric, last).items():
         if client in group_of:
             by_group.setdefault(group_of[client], []).append(v)
     return {g: float(np.mean(v)) for g, v in by_group.items()}

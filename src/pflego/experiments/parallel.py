@@ -91,7 +91,7 @@ def _interrupt_run(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
 
-def _start_worker(threads: int, devices: tuple[str, ...], counter: Any) -> None:
+def _start_worker(workers: Workers, counter: Any) -> None:
     """A worker's first act: a process group of its own (a terminal's Ctrl-C reaches the parent
     alone, which passes it on once), its threads and its device."""
     global _worker_device
@@ -99,12 +99,11 @@ def _start_worker(threads: int, devices: tuple[str, ...], counter: Any) -> None:
 
     os.setpgrp()
     signal.signal(signal.SIGINT, _interrupt_run)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(workers.threads_each())
+    torch.set_num_threads(workers.threads_each())
     with counter.get_lock():
-        index = counter.value
+        _worker_device = workers.device_of(counter.value)
         counter.value += 1
-    _worker_device = devices[index % len(devices)] if devices else None
 
 
 def _run_in_worker(run_one: RunOne, out: str, run: Any, status: str) -> tuple[str, float]:
@@ -144,7 +143,7 @@ def run_parallel(
         workers.jobs,
         context,
         initializer=_start_worker,
-        initargs=(workers.threads_each(), workers.devices, counter),
+        initargs=(workers, counter),
     )
     pending: dict[Future, Any] = {}
     try:

@@ -25,6 +25,7 @@ import yaml
 
 from pflego.config import FIELDS, read_yaml
 from pflego.errors import ConfigError
+from pflego.fields import between, check_value
 
 PRESET_KEYS = (
     "description",
@@ -55,6 +56,8 @@ ROW_KEYS = ("algorithm", "same_run_as", "metric")
 ALL = "all"
 DEFAULT_METRIC = "test_acc"
 DEFAULT_ALGORITHMS = ("pflego", "fedavg", "fedper")
+#: The rule of a target accuracy (a preset's ``target_acc``, ``--target-acc``).
+TARGET_ACC = between(0, 1, "(]").noting(" (an accuracy as a fraction, e.g. 0.7)")
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,13 @@ class Preset:
             overrides or {},
         ]
         return merge(*layers)
+
+
+def one_row(name: str, settings: dict[str, Any]) -> Preset:
+    """A preset of one row, ``settings``' algorithm with nothing of its own."""
+    algorithm = settings["algorithm"]
+    rows = {algorithm: Row(algorithm, algorithm, {}, DEFAULT_METRIC)}
+    return Preset(name=name, settings=settings, rows=rows)
 
 
 def merge(*layers: dict[str, Any]) -> dict[str, Any]:
@@ -411,8 +421,7 @@ def _table_measures(values: dict[str, Any], results: dict, std: dict) -> None:
 def _target_and_ranked(values: dict[str, Any], where: str) -> tuple[float | None, bool]:
     """``target_acc`` (an accuracy in (0, 1], or unset) and ``ranked`` (true or false)."""
     target = values.get("target_acc")
-    if target is not None and not (isinstance(target, int | float) and 0 < target <= 1):
-        raise ConfigError(f"{where}: target_acc={target!r} must be an accuracy in (0, 1]")
+    check_value("target_acc", target, TARGET_ACC, f"{where}: ")
     ranked = values.get("ranked", False)
     if not isinstance(ranked, bool):
         raise ConfigError(f"{where}: ranked={ranked!r} must be true or false")

@@ -1,16 +1,9 @@
 """Reports of an experiment, built only from its manifest and its run directories.
 
-``report.md`` (one section per block; a table row per algorithm: the paper's number, ours as
-mean ± std over seeds, the difference, bottom decile, training time; more measures; per-seed
-values; the metric's definition), ``report.csv`` (the same numbers as fractions, as in
-``metrics.jsonl``), optionally ``report.tex``, ``report.png`` (every row's curves, mean and a
-± std band over seeds) and, for a sweep, ``sweep.png``. Because nothing comes from memory, the
-report written at the end of an experiment and one rebuilt later with ``pflego report`` are equal.
-
-This module writes them (:func:`write_report`) and plans a report of plain run directories
-(:func:`plan_from_directories`); the rows' numbers come from
-:mod:`~pflego.experiments.report_rows`, the files from ``report_markdown``, ``report_tables``
-(and LaTeX), ``report_csv`` and ``report_figures``.
+Because nothing comes from memory, the report written at the end of an experiment and one rebuilt
+later with ``pflego report`` are equal. The rows' numbers come from
+:mod:`~pflego.experiments.report_rows`; ``report_markdown``, ``report_tables`` (with LaTeX and
+CSV) and ``report_figures`` render them.
 """
 
 from __future__ import annotations
@@ -23,11 +16,17 @@ from pflego.config import read_yaml
 from pflego.errors import ConfigError
 from pflego.experiments import report_figures as figures
 from pflego.experiments.presets import ALL
-from pflego.experiments.report_csv import render_csv
-from pflego.experiments.report_formatting import block_title, md_table, window_text, windows
 from pflego.experiments.report_markdown import render_markdown
 from pflego.experiments.report_rows import RowResult, collect, rows_by_block
-from pflego.experiments.report_tables import main_table, render_latex
+from pflego.experiments.report_tables import (
+    block_title,
+    main_table,
+    md_table,
+    render_csv,
+    render_latex,
+    window_text,
+    windows,
+)
 from pflego.experiments.runs import MANIFEST, Plan, PlannedRun, read_manifest
 
 FORMATS = ("md", "csv", "latex")
@@ -78,8 +77,7 @@ class Report:
         return [row.marked for row in self.rows if row.marked != row.label]
 
     def text(self, fmt_: str) -> str:
-        if fmt_ not in FORMATS:
-            raise ConfigError(f"--format {fmt_!r} is not one of {', '.join(FORMATS)}")
+        """The report in one of :data:`FORMATS`."""
         return {"md": self.markdown, "csv": self.csv, "latex": self.latex}[fmt_]()
 
 

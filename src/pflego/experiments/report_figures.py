@@ -15,8 +15,8 @@ import numpy as np
 
 from pflego.experiments import measures as M
 from pflego.experiments.presets import ALL
-from pflego.experiments.report_formatting import block_title, unit
 from pflego.experiments.report_rows import RowResult, rows_by_block
+from pflego.experiments.report_tables import block_title, several_seeds, unit
 from pflego.experiments.runs import Plan
 
 
@@ -83,8 +83,7 @@ def plot_curves(plan: Plan, rows: list[RowResult], path: Path) -> Path:
             ax.grid(alpha=0.3)
             ax.legend(fontsize="small")
         close_inset(ax_metric, curves)
-    several = max((len(r.seeds) for r in rows), default=1) > 1
-    title = plan.name + (": mean over seeds, band ± std" if several else "")
+    title = plan.name + (": mean over seeds, band ± std" if several_seeds(rows) else "")
     fig.suptitle("\n".join(textwrap.wrap(title, 45 * len(blocks))))
     fig.tight_layout()
     fig.savefig(path, dpi=110)

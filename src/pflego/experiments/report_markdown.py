@@ -14,17 +14,21 @@ import numpy as np
 
 from pflego.experiments import measures as M
 from pflego.experiments.presets import ALL, point_label
-from pflego.experiments.report_formatting import (
+from pflego.experiments.report_rows import RowResult, logged, rows_by_block
+from pflego.experiments.report_tables import (
     block_title,
     fmt,
+    main_table,
     md_table,
+    measures_table,
     paper_text,
+    ranking_table,
+    seed_table,
+    several_seeds,
     unit,
     window_text,
     windows,
 )
-from pflego.experiments.report_rows import RowResult, logged, rows_by_block
-from pflego.experiments.report_tables import main_table, measures_table, ranking_table, seed_table
 from pflego.experiments.runs import Plan
 
 #: Settings that describe an experiment in a report's settings line (when equal for all runs).
@@ -158,11 +162,6 @@ def render_markdown(plan: Plan, rows: list[RowResult], target_acc: float | None)
     return "\n".join(lines).rstrip() + "\n"
 
 
-def several_seeds(rows: list[RowResult]) -> bool:
-    """Whether some row ran with more than one seed (else no ± and no "mean over seeds")."""
-    return max((len(r.seeds) for r in rows), default=1) > 1
-
-
 def spread_text(rows: list[RowResult]) -> str:
     """What the top decile, the std over clients and the participation gap are, where shown."""
     text = ""
@@ -181,8 +180,8 @@ def spread_text(rows: list[RowResult]) -> str:
 
 def definitions(plan: Plan, rows: list[RowResult], target_acc: float | None) -> list[str]:
     """The paragraph that says what every number is."""
-    metrics = sorted({r.metric for r in rows})
-    parts = [metric_definition(m) for m in metrics]
+    several = several_seeds(rows)
+    parts = [metric_definition(m) for m in sorted({r.metric for r in rows})]
     spans = windows(rows)
     if len(spans) == 1:
         final = window_text(spans.pop())
@@ -192,14 +191,13 @@ def definitions(plan: Plan, rows: list[RowResult], target_acc: float | None) -> 
         "**What is measured.** "
         + "; ".join(parts)
         + f". The final value is the {final}; round 0 (the untrained model) is never included. "
-        + ("± is the sample standard deviation over seeds. " if several_seeds(rows) else "")
+        + ("± is the sample standard deviation over seeds. " if several else "")
         + "Bottom decile: the 10th percentile of "
         "the clients' accuracies; sample-weighted: clients weighted by their test samples; "
         "training loss L(ψ) = Σ_i α_i ℓ_i over all training clients; training time excludes "
         "evaluation. Accuracies in percent (metrics.jsonl and report.csv store fractions under "
         "the same names); differences in percentage points (pp)."
     )
-    several = several_seeds(rows)
     text += spread_text(rows)
     if any(s.best_val for r in rows for s in r.seeds):
         text += (

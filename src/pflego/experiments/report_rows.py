@@ -1,11 +1,8 @@
 """The rows of a report, read from an experiment's run directories.
 
 A report has one row per planned row, block and sweep value; :func:`collect` reads each row's
-run directories (one per seed) and keeps what the tables, ``report.csv`` and the figures show:
-the final value, bottom and top deciles, standard deviation over clients, participation gap,
-sample-weighted value, training loss and time, the
-best-validation round, the rounds to a target accuracy, the gain over ``local``, the costs per
-round, and each run's status (done, partial, diverged or missing).
+run directories (one per seed) and keeps what the tables, ``report.csv`` and the figures show
+(:class:`SeedResult`), with each run's status (done, partial, diverged or missing).
 """
 
 from __future__ import annotations
@@ -137,34 +134,31 @@ def collect(plan: Plan, root: Path, target_acc: float | None = None) -> list[Row
     """Every report row's numbers, read from the run directories under ``root``."""
     cache: dict[str, History | None] = {}
     rows: list[RowResult] = []
-    local_rows = [r["name"] for r in plan.rows if r["algorithm"] == "local"]
+    local_row = next((r["name"] for r in plan.rows if r["algorithm"] == "local"), None)
+    local_dirs = {(r.block, r.sweep, r.seed): root / r.dir for r in plan.runs if r.row == local_row}
     for block in plan.blocks:
         for spec in plan.rows:
             for sweep in plan.sweep_values():
                 runs = plan.runs_of(block, spec["name"], sweep)
                 if not runs:
                     continue
-                paper = plan.paper_results.get(block, {}).get(spec["name"], {}).get(spec["metric"])
-                sweep_key = plan.sweep[0] if plan.sweep else None
+                name, metric = spec["name"], spec["metric"]
                 row = RowResult(
-                    block, spec["name"], spec["algorithm"], spec["metric"], sweep, paper, sweep_key
-                )
-                row.settings = runs[0].config
-                row.paper_std = (
-                    plan.paper_std.get(block, {}).get(spec["name"], {}).get(spec["metric"])
+                    block,
+                    name,
+                    spec["algorithm"],
+                    metric,
+                    sweep,
+                    plan.paper_results.get(block, {}).get(name, {}).get(metric),
+                    plan.sweep[0] if plan.sweep else None,
+                    plan.paper_std.get(block, {}).get(name, {}).get(metric),
+                    settings=runs[0].config,
                 )
                 for run in runs:
-                    local = None
-                    if local_rows and spec["algorithm"] != "local":
-                        match = [
-                            r
-                            for r in plan.runs_of(block, local_rows[0], sweep)
-                            if r.seed == run.seed
-                        ]
-                        local = root / match[0].dir if match else None
-                    row.seeds.append(
-                        seed_result(run, root, spec["metric"], target_acc, cache, local)
-                    )
+                    local = local_dirs.get((block, sweep, run.seed))
+                    if spec["algorithm"] == "local":
+                        local = None
+                    row.seeds.append(seed_result(run, root, metric, target_acc, cache, local))
                 rows.append(row)
     return rows
 

@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from pflego.config import load_config, to_dict
 from pflego.errors import ConfigError
-from pflego.experiments.folders import check_out, clear_out
+from pflego.experiments.folders import check_out, clear_out, stamp
 from pflego.experiments.parallel import RunsFailedError, Workers
 from pflego.experiments.presets import (
-    DEFAULT_METRIC,
     Preset,
     Row,
     grid_points,
     load_preset,
+    one_row,
     point_label,
 )
 from pflego.experiments.report import Report, write_report
@@ -31,10 +30,6 @@ from pflego.experiments.tune import Tuning, run_tuning
 from pflego.history import History
 
 MAIN_PRESET = "main"
-
-
-def stamp() -> str:
-    return datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
 def default_reproduce_out(name: str, quick: bool, offline: bool, tune: bool) -> Path:
@@ -113,7 +108,7 @@ def reproduce(
         clear_out(root)
     tuned: dict[str, dict[str, Any]] = {}
     for block, row, job in tunings:
-        choice = run_tuning(job, progress, data_checked=True, workers=workers)
+        choice = run_tuning(job, progress, workers)
         choice.pop("settings")
         choice["report"] = str((job.out / "tune.md").relative_to(root))
         tuned.setdefault(block, {})[row] = choice
@@ -194,13 +189,8 @@ def tuning_jobs(
             title = f"Tuning {row} of {preset.name}" + (
                 f", block {block}" if preset.has_blocks else ""
             )
-            jobs.append(
-                (
-                    block,
-                    row,
-                    Tuning(base, grid, seeds or [0], where, preset.rows[row].metric, title),
-                )
-            )
+            job = Tuning(base, grid, seeds or [0], where, preset.rows[row].metric, title)
+            jobs.append((block, row, job))
     return jobs
 
 
@@ -338,11 +328,7 @@ def run_seeds(
     replace whatever pflego wrote in ``out``, else refused)."""
     settings = to_dict(load_config(config, **overrides))
     algorithm = settings["algorithm"]
-    preset = Preset(
-        name=f"{algorithm} on {settings['dataset']}",
-        settings=settings,
-        rows={algorithm: Row(algorithm, algorithm, {}, DEFAULT_METRIC)},
-    )
+    preset = one_row(f"{algorithm} on {settings['dataset']}", settings)
     plan = build_plan(preset, "seeds", seeds, row_dirs=False)
     root = Path(out) if out else Path("runs") / f"{algorithm}-{settings['dataset']}-seeds-{stamp()}"
     check_out(root, "run over seeds", overwrite)

@@ -23,7 +23,7 @@ from pflego.errors import ConfigError, DivergedError
 from pflego.experiments.measures import measure_costs, write_costs
 from pflego.experiments.parallel import Workers, run_parallel
 from pflego.experiments.presets import ALL, Preset, point_label
-from pflego.history import EXPERIMENT_MANIFEST, History
+from pflego.history import EXPERIMENT_MANIFEST, History, atomic_write
 
 MANIFEST = EXPERIMENT_MANIFEST
 DIVERGED = "diverged.json"
@@ -330,7 +330,7 @@ def execute(plan: Plan, out: Path, progress: bool = True, workers: Workers | Non
     statuses = [run_status(out / r.dir, r.config) for r in runs]
     try:
         out.mkdir(parents=True, exist_ok=True)
-        write_manifest(plan, out)
+        atomic_write(out / MANIFEST, lambda p: p.write_text(plan.to_json()))
     except OSError as exc:
         raise ConfigError(
             f"cannot write to --out {out} ({exc.strerror or type(exc).__name__}); "
@@ -365,12 +365,6 @@ def run_planned(out: Path, run: PlannedRun, status: str, progress: bool) -> str:
         print(f"pflego: warning: {run.dir} diverged: {exc}", file=sys.stderr)
         return "diverged"
     return "done"
-
-
-def write_manifest(plan: Plan, out: Path) -> None:
-    from pflego.history import atomic_write
-
-    atomic_write(out / MANIFEST, lambda p: p.write_text(plan.to_json()))
 
 
 def read_manifest(out: str | Path) -> Plan:

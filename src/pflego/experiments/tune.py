@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from pflego.experiments.presets import (
     flatten,
     grid_points,
     merge,
+    one_row,
     point_label,
 )
 from pflego.experiments.runs import DIVERGED, Plan, build_plan, check_data, execute
@@ -107,18 +107,6 @@ class Tuning:
         return plan
 
 
-def grid_keys(grid: list[tuple[str, list[Any]]]) -> set[str]:
-    """The settings a grid sets (joint dimensions contribute their values' keys)."""
-    keys: set[str] = set()
-    for name, values in grid:
-        if values and isinstance(values[0], dict):
-            for value in values:
-                keys |= set(flatten(value))
-        else:
-            keys.add(name)
-    return keys
-
-
 @dataclass
 class PointScore:
     """A grid point's validation scores."""
@@ -185,12 +173,10 @@ def edge_notes(grid: list[tuple[str, list[Any]]], chosen: dict[str, Any]) -> lis
 
 
 def run_tuning(
-    tuning: Tuning,
-    progress: bool = True,
-    data_checked: bool = False,
-    workers: Workers | None = None,
+    tuning: Tuning, progress: bool = True, workers: Workers | None = None
 ) -> dict[str, Any]:
-    """Run (or finish) a grid, choose on validation data, write ``tune.md`` and ``chosen.yaml``.
+    """Run (or finish) a grid whose data the caller checked (:func:`check_data` of its plan),
+    choose on validation data, write ``tune.md`` and ``chosen.yaml``.
 
     Returns:
         ``{"values", "label", "score", "metric", "points", "report", "settings", "edges"}``: the
@@ -200,8 +186,6 @@ def run_tuning(
     plan = tuning.plan()
     for note in plan.notes:
         print(f"pflego: tune: {note}", file=sys.stderr)
-    if not data_checked:
-        check_data(plan)
     execute(plan, tuning.runs_root, progress, workers)
     scores = score_points(tuning, plan)
     best = choose(scores)
@@ -234,7 +218,7 @@ def render_tune(
     edges: list[str],
 ) -> str:
     """``tune.md``: every grid point's validation score, the choice and :func:`edge_notes`."""
-    from pflego.experiments.report_formatting import fmt, md_table
+    from pflego.experiments.report_tables import fmt, md_table
 
     metric = tuning.score_metric
     first = plan.runs[0].config
@@ -341,44 +325,24 @@ def tune(
         The choice (see :func:`run_tuning`) and the final runs' main table.
     """
     from pflego.config import load_config, to_dict
-    from pflego.experiments.folders import check_out, clear_out
+    from pflego.experiments.folders import check_out, clear_out, stamp
     from pflego.experiments.report import write_report
 
     base = to_dict(load_config(settings))
     algorithm = base["algorithm"]
-    root = (
-        Path(out)
-        if out
-        else Path("runs") / f"tune-{algorithm}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    )
-    job = Tuning(
-        base,
-        grid,
-        tune_seeds or [0],
-        root,
-        DEFAULT_METRIC,
-        f"Tuning {algorithm} on {base['dataset']}",
-    )
+    root = Path(out or Path("runs") / f"tune-{algorithm}-{stamp()}")
+    title = f"Tuning {algorithm} on {base['dataset']}"
+    job = Tuning(base, grid, tune_seeds or [0], root, DEFAULT_METRIC, title)
     check_out(root, "tuning", overwrite, continues=True)
     grid_plan = job.plan()  # checks every point before anything trains
     check_data(grid_plan)
     if overwrite:
         clear_out(root)
-    choice = run_tuning(job, progress, data_checked=True, workers=workers)
-    final = Preset(
-        name=f"{algorithm} with the tuned setting",
-        settings=choice["settings"],
-        rows={algorithm: Row(algorithm, algorithm, {}, DEFAULT_METRIC)},
-    )
+    choice = run_tuning(job, progress, workers)
+    final = one_row(f"{algorithm} with the tuned setting", choice["settings"])
     plan = build_plan(final, "tune", seeds or [0], row_dirs=False)
-    plan.tuned = {
-        ALL: {
-            algorithm: {
-                **{k: v for k, v in choice.items() if k != "settings"},
-                "report": "../tune.md",
-            }
-        }
-    }
+    shown = {k: v for k, v in choice.items() if k != "settings"}
+    plan.tuned = {ALL: {algorithm: {**shown, "report": "../tune.md"}}}
     execute(plan, root / "final", progress, workers)
     report = write_report(root / "final")
     with (root / "tune.md").open("a") as f:
