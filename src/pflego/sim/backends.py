@@ -230,13 +230,6 @@ def stack_outs(outs: Sequence[ClientOut]) -> ClientOut:
     )
 
 
-BACKENDS: dict[str, Backend] = {
-    "vmap": VmapBackend(),
-    "fused": FusedBackend(),
-    "loop": loop_backend,
-}
-
-
 def fuses(
     algorithm: Algorithm, downlink: Params, state: ClientState, data: ClientData, ctx: RoundContext
 ) -> bool:
@@ -268,8 +261,6 @@ def make_backend(name: str, algorithm: Algorithm, chunk_size: int | None = None)
     vectorized = name in ("vmap", "graph")
     if name == "loop" or (vectorized and not getattr(algorithm, "vmappable", True)):
         return loop_backend
-    if name == "graph":  # its own graphs: one executor a run
-        return VmapBackend(chunk_size, GraphExecutor())
-    if name == "vmap" and chunk_size is not None:
-        return VmapBackend(chunk_size)
-    return BACKENDS[name]
+    if name == "fused":
+        return FusedBackend()
+    return VmapBackend(chunk_size, GraphExecutor() if name == "graph" else None)

@@ -29,7 +29,8 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -100,21 +101,19 @@ def copied(tree: Params | ClientState) -> dict:
     return {k: v.clone() for k, v in tree.items()}
 
 
-class untouched_generators:  # noqa: N801  (used as a context manager, like torch's fork_rng)
+@contextmanager
+def untouched_generators() -> Iterator[None]:
     """Restores torch's (CPU and CUDA), NumPy's and Python's global random state on exit."""
-
-    def __enter__(self) -> None:
-        self.torch = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.numpy = np.random.get_state()
-        self.python = random.getstate()
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_rng_state(self.torch)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        np.random.set_state(self.numpy)
-        random.setstate(self.python)
+    saved = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        np.random.set_state(saved[1])
+        random.setstate(saved[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def predicted_round(name: str, one: float, two: float, cohort: Cohort) -> float:

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pflego import tree
 from pflego.config import MAX_COUNT
 from pflego.data import FederatedData
 from pflego.errors import ConfigError
@@ -281,19 +280,26 @@ class ClientPool:
         local = label_space == "local"
         x = getattr(data, f"x_{split}")
         y = getattr(data, f"y_{split}_local" if local else f"y_{split}")
-        offsets = getattr(data, f"{split}_offsets")
         if local:
             masks = (data.client_classes >= 0).to(dtype)
         else:
             masks = torch.ones(data.num_clients, data.num_classes, dtype=dtype)
-        owner = torch.repeat_interleave(torch.arange(len(offsets) - 1), offsets.diff())
+        sizes = getattr(data, f"{split}_offsets").diff().numpy()
+        return cls.of(data.inputs(x).to(device=device, dtype=dtype), y.to(device), sizes, masks)
+
+    @classmethod
+    def of(cls, x: Tensor, y: Tensor, sizes: np.ndarray, label_masks: Tensor) -> ClientPool:
+        """The pool of clients whose rows of ``x`` and ``y`` follow one another, ``sizes[i]``
+        rows each (label masks ``[I, K]``)."""
+        sizes = np.asarray(sizes, np.int64)
+        owner = np.repeat(np.arange(len(sizes)), sizes)
         return cls(
-            x=data.inputs(x).to(device=device, dtype=dtype),
-            y=y.to(device),
-            offsets=offsets[:-1].to(device),
-            sizes=offsets.diff().numpy(),
-            label_masks=masks.to(device),
-            known=torch.bincount(owner[y >= 0], minlength=len(offsets) - 1).numpy(),
+            x=x,
+            y=y,
+            offsets=torch.from_numpy(np.cumsum(sizes) - sizes).to(x.device),
+            sizes=sizes,
+            label_masks=label_masks.to(x.device),
+            known=np.bincount(owner[(y >= 0).cpu().numpy()], minlength=len(sizes)),
         )
 
     @property
@@ -331,19 +337,10 @@ class ClientPool:
             rows = np.arange(self.starts[i], self.starts[i] + self.sizes[i])
             parts.append(rows if keep is None else rows[keep(int(i), len(rows))])
         rows = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+        rows = rows.to(self.device)
         sizes = np.array([len(part) for part in parts], np.int64)
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        ids = torch.as_tensor(clients, device=self.device)
-        y = self.y[rows.to(self.device)]
-        owner = np.repeat(np.arange(len(clients)), sizes)
-        return ClientPool(
-            x=self.x[rows.to(self.device)],
-            y=y,
-            offsets=torch.from_numpy(offsets).to(self.device),
-            sizes=sizes,
-            label_masks=self.label_masks[ids],
-            known=np.bincount(owner[(y >= 0).cpu().numpy()], minlength=len(clients)),
-        )
+        masks = self.label_masks[torch.as_tensor(clients, device=self.device)]
+        return ClientPool.of(self.x[rows], self.y[rows], sizes, masks)
 
     def own(self, client: int) -> tuple[Tensor, Tensor]:
         """One client's inputs and labels (views, no copy)."""
@@ -527,9 +524,6 @@ class ClientStore:
 
     def get(self, client: int) -> ClientState:
         return {k: v[client] for k, v in self.tensors.items()}
-
-    def put(self, client: int, state: ClientState) -> None:
-        self.scatter(np.array([client]), tree.map_(lambda v: v.unsqueeze(0), state))
 
     def nbytes(self) -> int:
         """Bytes of the rows that hold a state (what the store really occupies)."""
