@@ -98,45 +98,19 @@ def client_data(
     With ``validation``, ``ClientData.validation`` holds the client's validation split (its
     training split when the partition has none, see :func:`validation_split`).
     """
-    x, y = split_rows(data, "train", client, label_space, dtype)
-    idx, bmask = batches
-    held_out = {}
-    if validation:
-        vx, vy = split_rows(data, validation_split(data), client, label_space, dtype)
-        held_out = {"x": vx, "y": vy, "mask": torch.ones(len(vy), dtype=dtype)}
-    return ClientData(
-        x=x,
-        y=y,
-        mask=torch.ones(len(y), dtype=dtype),
-        batches=idx,
-        batch_mask=bmask.to(dtype),
-        label_mask=label_mask(data, client, label_space, dtype),
-        num_samples=torch.tensor(float(len(y)), dtype=dtype),
-        schedules={k: (i, m.to(dtype)) for k, (i, m) in (schedules or {}).items()},
-        validation=held_out,
-    )
+    one = data.subset(np.array([client]))
+    pool = lambda split: ClientPool.build(one, split, label_space, dtype)  # noqa: E731
+    with_dtype = lambda plan: [(plan[0], plan[1].to(dtype))]  # noqa: E731
+    named = {k: with_dtype(plan) for k, plan in (schedules or {}).items()}
+    held_out = pool(validation_split(data)) if validation else None
+    return Cohort(
+        np.zeros(1, np.int64), pool("train"), with_dtype(batches), named, held_out
+    ).client(0)
 
 
 def validation_split(data: FederatedData) -> str:
     """The split an algorithm with ``uses_validation`` validates on: ``val``, else ``train``."""
     return "val" if data.val_offsets is not None else "train"
-
-
-def split_rows(
-    data: FederatedData, split: str, client: int, label_space: str, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """One client's inputs (model inputs in ``dtype``) and labels of a split."""
-    offsets = getattr(data, f"{split}_offsets")
-    rows = slice(int(offsets[client]), int(offsets[client + 1]))
-    labels = getattr(data, f"y_{split}_local" if label_space == "local" else f"y_{split}")
-    return data.inputs(getattr(data, f"x_{split}")[rows]).to(dtype), labels[rows]
-
-
-def label_mask(data: FederatedData, client: int, label_space: str, dtype: torch.dtype) -> Tensor:
-    """Which logits a client's head has: its own K_i classes (local) or all C (global)."""
-    if label_space == "local":
-        return (data.client_classes[client] >= 0).to(dtype)
-    return torch.ones(data.num_classes, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -147,7 +121,7 @@ class Cohort:
     schedules (what the loop and fused backends run on, with no copy). :attr:`data` stacks and
     pads them all, built on first use (the vmap backend): ``x [C, n_max, ...]``,
     ``batches [C, S_max, B_max]``; client ``c`` really has ``sizes[c]`` samples and runs
-    ``steps[c]`` steps of ``widths[c]`` entries, its padding steps first (they do nothing).
+    ``steps[c]`` steps, its padding steps first (they do nothing).
 
     Attributes:
         clients: The sampled client ids.
@@ -173,10 +147,6 @@ class Cohort:
     @property
     def steps(self) -> np.ndarray:
         return np.array([idx.shape[0] for idx, _ in self.run], np.int64)
-
-    @property
-    def widths(self) -> np.ndarray:
-        return np.array([idx.shape[1] for idx, _ in self.run], np.int64)
 
     def client(self, c: int) -> ClientData:
         """Client ``c``'s data with no padding (views of the pool's rows)."""
@@ -447,14 +417,6 @@ class SharedFeatures:
 
 #: Stores larger than this many bytes take memory page by page as rows are written.
 LAZY_BYTES = 2**26
-_NUMPY_DTYPES = {
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.float16: np.float16,
-    torch.int64: np.int64,
-    torch.int32: np.int32,
-    torch.bool: np.bool_,
-}
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -464,13 +426,14 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     so a store of a million clients takes memory for the clients that trained, a few kilobytes
     each, not for the whole table.
     """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes < LAZY_BYTES or dtype not in _NUMPY_DTYPES:
+    one = torch.empty((), dtype=dtype)
+    nbytes = math.prod(shape) * one.element_size()
+    if nbytes < LAZY_BYTES or dtype == torch.bfloat16:  # (NumPy has no bfloat16)
         return torch.zeros(shape, dtype=dtype)
     buffer = mmap.mmap(-1, nbytes)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         buffer.madvise(mmap.MADV_NOHUGEPAGE)  # one written row must not commit 2 MB
-    return torch.from_numpy(np.frombuffer(buffer, _NUMPY_DTYPES[dtype]).reshape(shape))
+    return torch.from_numpy(np.frombuffer(buffer, one.numpy().dtype).reshape(shape))
 
 
 class ClientStore:

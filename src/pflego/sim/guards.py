@@ -124,10 +124,7 @@ def finite_rows(*stacked: dict[str, Tensor]) -> Tensor:
     leaves = [v for t in stacked for v in t.values()]
     if not leaves:
         return torch.ones(0, dtype=torch.bool)
-    flags = [finite_by_row(v.reshape(v.shape[0], -1)) for v in leaves if v.dim() > 0]
-    return (
-        torch.stack(flags).all(0).cpu() if flags else torch.ones(len(leaves[0]), dtype=torch.bool)
-    )
+    return torch.stack([finite_by_row(v.reshape(v.shape[0], -1)) for v in leaves]).all(0).cpu()
 
 
 def finite_by_row(matrix: Tensor) -> Tensor:
