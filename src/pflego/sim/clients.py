@@ -32,12 +32,9 @@ def num_steps(
     n: int, inner_steps: int, batch_size: int | None, local_epochs: float | None
 ) -> tuple[int, int]:
     """``(steps, width)`` of a client's schedule: how many local steps, and samples per step."""
-    if batch_size is None or batch_size >= n:
-        steps, width = (inner_steps if local_epochs is None else max(1, math.ceil(local_epochs))), n
-    else:
-        per_epoch = math.ceil(n / batch_size)
-        steps = inner_steps if local_epochs is None else max(1, math.ceil(local_epochs * per_epoch))
-        width = batch_size
+    width = n if batch_size is None or batch_size >= n else batch_size
+    per_epoch = math.ceil(n / width) if width < n else 1
+    steps = inner_steps if local_epochs is None else max(1, math.ceil(local_epochs * per_epoch))
     if steps * width > MAX_COUNT:
         raise ConfigError(
             f"local_epochs={local_epochs} (or join_epochs) gives {float(steps):.3g} local steps "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from pflego import tree
 from pflego.errors import DivergedError
@@ -166,12 +167,8 @@ class Updates:
 
     def kept(self, keep: np.ndarray) -> Updates:
         """The updates of the members where ``keep`` holds, at their positions among them."""
-        index = np.flatnonzero(keep)
-        out = ClientOut(
-            rows(self.out.upload, index),
-            self.out.weight[torch.from_numpy(index).to(self.out.weight.device)],
-            rows(self.out.metrics, index),
-        )
+        index = torch.from_numpy(np.flatnonzero(keep))
+        out = pytree.tree_map(lambda v: v[index.to(v.device)], self.out)
         held = keep[self.held]
         renumbered = (np.cumsum(keep) - 1)[self.held[held]]
         states = rows(self.states, np.flatnonzero(held))

@@ -276,7 +276,6 @@ class Evaluator:
         chunk_size: int | None = None,
     ) -> None:
         first = next(iter(pools.values()))
-        budget = EVAL_BYTES if first.device.type == "cpu" else DEVICE_EVAL_BYTES
         self.algorithm, self.pools, self.clients = algorithm, pools, clients
         self.personalization = personalization
         self.device, self.dtype = first.device, first.x.dtype
@@ -293,15 +292,14 @@ class Evaluator:
         )
         self.bodies: dict[tuple[str, str], SharedFeatures] = {}
         self.choices: dict[str, tuple[Strategy, Strategy]] = {}
-        self.sizes, self.batch_rows, self.groups = self.chunking(chunk_size, budget)
+        self.sizes, self.batch_rows, self.groups = self.chunking(chunk_size)
 
-    def chunking(
-        self, chunk_size: int | None, budget: int
-    ) -> tuple[np.ndarray, int, list[np.ndarray]]:
+    def chunking(self, chunk_size: int | None) -> tuple[np.ndarray, int, list[np.ndarray]]:
         """Each client's size (its largest split's), the rows of a shared body's pass, and the
         chunks: positions of clients grouped by size, each one's inputs and activations within
-        ``budget`` bytes (and ``chunk_size`` clients)."""
+        :data:`EVAL_BYTES` (on a GPU :data:`DEVICE_EVAL_BYTES`) and ``chunk_size`` clients."""
         pools, model = self.pools.values(), self.algorithm.model
+        budget = EVAL_BYTES if self.device.type == "cpu" else DEVICE_EVAL_BYTES
         body = max(sample_elements(model, tuple(p.x.shape[1:])) for p in pools)
         element = torch.finfo(self.dtype).bits // 8
         batch_rows = max(1, budget // (body * element))
