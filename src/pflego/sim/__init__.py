@@ -20,13 +20,11 @@ from pflego.sim.build import (
     build_experiment,
     experiment_on,
     partition,
-    split_unseen,
     with_step_sizes,
 )
 from pflego.sim.checkpoints import default_out, run_experiment
 from pflego.sim.distributed import launch, resume, run
 from pflego.sim.evaluation import evaluation_due, evaluation_record, evaluation_sample
-from pflego.sim.guards import check_finite_server, deferred_interrupts, every_update_non_finite
 from pflego.sim.profile import Profile, process_age
 from pflego.sim.rounds import Simulation
 
@@ -36,13 +34,10 @@ __all__ = [
     "Simulation",
     "build_algorithm_for",
     "build_experiment",
-    "check_finite_server",
     "default_out",
-    "deferred_interrupts",
     "evaluation_due",
     "evaluation_record",
     "evaluation_sample",
-    "every_update_non_finite",
     "experiment_on",
     "launch",
     "partition",
@@ -50,6 +45,5 @@ __all__ = [
     "resume",
     "run",
     "run_experiment",
-    "split_unseen",
     "with_step_sizes",
 ]

@@ -29,12 +29,14 @@ from functools import partial
 import numpy as np
 import torch
 from torch.func import vmap
+from torch.utils import _pytree as pytree
 
 from pflego import tree
 from pflego.algorithms import Algorithm
 from pflego.local import fused_steps
 from pflego.sim.backends_graph import GraphExecutor
 from pflego.sim.clients import Cohort
+from pflego.sim.guards import rows
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, Downlink, RoundContext
 
@@ -157,22 +159,13 @@ class VmapBackend:
         if len(buckets) == 1:
             out, new_states = self.vectorized(algorithm, sent, states, cohort.data, ctx)
             return out, tree.detach(new_states)
-        parts = []
-        for bucket in buckets:
-            index = torch.as_tensor(bucket, device=cohort.pool.device)
-            own = sent.select(bucket)
-            picked = {k: v[index.to(v.device)] for k, v in states.items()}
-            data = cohort.subset(bucket).data
-            parts.append(self.vectorized(algorithm, own, picked, data, ctx))
+        parts = [
+            self.vectorized(algorithm, sent.select(b), rows(states, b), cohort.subset(b).data, ctx)
+            for b in buckets
+        ]
         order = torch.as_tensor(np.argsort(np.concatenate(buckets)), device=cohort.pool.device)
-        joined = lambda trees: {k: torch.cat([t[k] for t in trees])[order] for k in trees[0]}  # noqa: E731
-        outs = [p[0] for p in parts]
-        out = ClientOut(
-            joined([o.upload for o in outs]),
-            torch.cat([o.weight.reshape(-1) for o in outs])[order],
-            joined([o.metrics for o in outs]),
-        )
-        return out, tree.detach(joined([p[1] for p in parts]))
+        out, new_states = pytree.tree_map(lambda *bucketed: torch.cat(bucketed)[order], *parts)
+        return out, tree.detach(new_states)
 
     def vectorized(
         self,
@@ -230,13 +223,6 @@ def stack_outs(outs: Sequence[ClientOut]) -> ClientOut:
     )
 
 
-BACKENDS: dict[str, Backend] = {
-    "vmap": VmapBackend(),
-    "fused": FusedBackend(),
-    "loop": loop_backend,
-}
-
-
 def fuses(
     algorithm: Algorithm, downlink: Params, state: ClientState, data: ClientData, ctx: RoundContext
 ) -> bool:
@@ -268,8 +254,6 @@ def make_backend(name: str, algorithm: Algorithm, chunk_size: int | None = None)
     vectorized = name in ("vmap", "graph")
     if name == "loop" or (vectorized and not getattr(algorithm, "vmappable", True)):
         return loop_backend
-    if name == "graph":  # its own graphs: one executor a run
-        return VmapBackend(chunk_size, GraphExecutor())
-    if name == "vmap" and chunk_size is not None:
-        return VmapBackend(chunk_size)
-    return BACKENDS[name]
+    if name == "fused":
+        return FusedBackend()
+    return VmapBackend(chunk_size, GraphExecutor() if name == "graph" else None)

@@ -3,14 +3,12 @@
 Where the rule of :func:`~pflego.sim.backends.resolve_backend` is sure, on CPU with every local
 step fused and clients of at least ``FUSED_MIN_SAMPLES`` samples (fused steps beat autograd in any
 backend), ``auto`` is ``fused`` with no probe. Otherwise, on its first call, :class:`AutoBackend`
-times every candidate (``fused`` and ``vmap`` on CPU, where ``fused`` runs the loop's very
-updates, spread over threads; ``graph``, ``vmap`` and ``loop`` on CUDA; ``vmap`` and ``loop``
-elsewhere; an unvmappable algorithm has neither ``vmap`` nor ``graph``) on that round's real cohort with its local schedules cut to one and then two steps per
-client (the better of two tries of each, after an untimed one-step warm-up). The two timings give
-each backend a fixed cost per round and a cost per local step, from which it predicts the whole
-round (``vmap`` and ``graph`` pad every client to the cohort's most steps; the others run each client's own).
-The fastest prediction wins, and runs the round; the choice then holds for the run (a checkpoint
-stores it, so a resumed run keeps it).
+times every candidate (:func:`candidates`) on that round's real cohort with its local schedules
+cut to one and then two steps per client (the better of two tries of each, after an untimed
+one-step warm-up). The two timings give each backend a fixed cost per round and a cost per local
+step, from which it predicts the whole round (:func:`predicted_round`). The fastest prediction
+wins, and runs the round; the choice then holds for the run (a checkpoint stores it, so a resumed
+run keeps it).
 
 In a distributed run every process probes on its own share of the first cohort it trains; at
 the end of that round the processes agree (:func:`agreed_choice`): each backend's prediction is
@@ -29,13 +27,15 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
+from pflego import tree
 from pflego.algorithms import Algorithm
 from pflego.sim.backends import Backend, make_backend
 from pflego.sim.clients import Cohort, pad_schedules
@@ -95,26 +95,19 @@ def truncated(cohort: Cohort, steps: int, padded: bool = False) -> Cohort:
     return short
 
 
-def copied(tree: Params | ClientState) -> dict:
-    """A copy of a parameter or state dict that a backend may not touch the original through."""
-    return {k: v.clone() for k, v in tree.items()}
-
-
-class untouched_generators:  # noqa: N801  (used as a context manager, like torch's fork_rng)
+@contextmanager
+def untouched_generators() -> Iterator[None]:
     """Restores torch's (CPU and CUDA), NumPy's and Python's global random state on exit."""
-
-    def __enter__(self) -> None:
-        self.torch = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.numpy = np.random.get_state()
-        self.python = random.getstate()
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_rng_state(self.torch)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        np.random.set_state(self.numpy)
-        random.setstate(self.python)
+    saved = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        np.random.set_state(saved[1])
+        random.setstate(saved[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def predicted_round(name: str, one: float, two: float, cohort: Cohort) -> float:
@@ -197,7 +190,9 @@ class AutoBackend:
                 backend = self.build(name)
 
                 def work(steps: int, backend: Backend = backend) -> None:
-                    backend(algorithm, copied(downlink), copied(states), runs[steps], ctx)
+                    # copies: the backend may not touch the originals through them
+                    own = tree.map_(torch.clone, downlink), tree.map_(torch.clone, states)
+                    backend(algorithm, *own, runs[steps], ctx)
 
                 def best(steps: int, name: str = name) -> float:
                     return min(self.timer(name, lambda: work(steps)) for _ in range(2))

@@ -284,9 +284,7 @@ class GraphExecutor:
                 return update_for(ctx)(*inputs)
             self.checked.add(name)
             out, new_states = result
-        first = lambda tree: {k: v[:count] for k, v in tree.items()}  # noqa: E731
-        out = ClientOut(first(out.upload), out.weight[:count], first(out.metrics))
-        return out, first(new_states)
+        return pytree.tree_map(lambda v: v[:count], (out, new_states))
 
     def capture(
         self,

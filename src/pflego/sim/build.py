@@ -57,13 +57,11 @@ class Experiment:
 
     def partition_summary(self) -> list[dict[str, Any]]:
         """``partition.json``: the training clients, then the unseen ones (numbered after them)."""
-        rows = self.data.summary()
-        if self.unseen is not None:
-            for row in self.unseen.summary():
-                rows.append(
-                    {**row, "client": row["client"] + self.data.num_clients, "unseen": True}
-                )
-        return rows
+        unseen = self.unseen.summary() if self.unseen is not None else []
+        offset = self.data.num_clients
+        return self.data.summary() + [
+            {**row, "client": row["client"] + offset, "unseen": True} for row in unseen
+        ]
 
 
 def _optimizer(name: str, config: Config, weight_decay: float = 0.0):

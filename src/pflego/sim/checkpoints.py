@@ -97,9 +97,9 @@ def resume(
         announce: Called with one line that says what is resumed (for the command line).
     """
     plan = plan_resume(run_dir, rounds, announce)
-    if plan.state is None:
-        return run_experiment(build_experiment(plan.config), run_dir, progress)
     experiment = build_experiment(plan.config)
+    if plan.state is None:
+        return run_experiment(experiment, run_dir, progress)
     simulation = Simulation(experiment, plan.directory)
     load_state(simulation, plan.state, plan.directory.checkpoint)
     plan.directory.rewind(simulation.records, simulation.next_round)

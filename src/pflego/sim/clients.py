@@ -20,7 +20,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pflego import tree
 from pflego.config import MAX_COUNT
 from pflego.data import FederatedData
 from pflego.errors import ConfigError
@@ -33,12 +32,9 @@ def num_steps(
     n: int, inner_steps: int, batch_size: int | None, local_epochs: float | None
 ) -> tuple[int, int]:
     """``(steps, width)`` of a client's schedule: how many local steps, and samples per step."""
-    if batch_size is None or batch_size >= n:
-        steps, width = (inner_steps if local_epochs is None else max(1, math.ceil(local_epochs))), n
-    else:
-        per_epoch = math.ceil(n / batch_size)
-        steps = inner_steps if local_epochs is None else max(1, math.ceil(local_epochs * per_epoch))
-        width = batch_size
+    width = n if batch_size is None or batch_size >= n else batch_size
+    per_epoch = math.ceil(n / width) if width < n else 1
+    steps = inner_steps if local_epochs is None else max(1, math.ceil(local_epochs * per_epoch))
     if steps * width > MAX_COUNT:
         raise ConfigError(
             f"local_epochs={local_epochs} (or join_epochs) gives {float(steps):.3g} local steps "
@@ -99,45 +95,19 @@ def client_data(
     With ``validation``, ``ClientData.validation`` holds the client's validation split (its
     training split when the partition has none, see :func:`validation_split`).
     """
-    x, y = split_rows(data, "train", client, label_space, dtype)
-    idx, bmask = batches
-    held_out = {}
-    if validation:
-        vx, vy = split_rows(data, validation_split(data), client, label_space, dtype)
-        held_out = {"x": vx, "y": vy, "mask": torch.ones(len(vy), dtype=dtype)}
-    return ClientData(
-        x=x,
-        y=y,
-        mask=torch.ones(len(y), dtype=dtype),
-        batches=idx,
-        batch_mask=bmask.to(dtype),
-        label_mask=label_mask(data, client, label_space, dtype),
-        num_samples=torch.tensor(float(len(y)), dtype=dtype),
-        schedules={k: (i, m.to(dtype)) for k, (i, m) in (schedules or {}).items()},
-        validation=held_out,
-    )
+    one = data.subset(np.array([client]))
+    pool = lambda split: ClientPool.build(one, split, label_space, dtype)  # noqa: E731
+    with_dtype = lambda plan: [(plan[0], plan[1].to(dtype))]  # noqa: E731
+    named = {k: with_dtype(plan) for k, plan in (schedules or {}).items()}
+    held_out = pool(validation_split(data)) if validation else None
+    return Cohort(
+        np.zeros(1, np.int64), pool("train"), with_dtype(batches), named, held_out
+    ).client(0)
 
 
 def validation_split(data: FederatedData) -> str:
     """The split an algorithm with ``uses_validation`` validates on: ``val``, else ``train``."""
     return "val" if data.val_offsets is not None else "train"
-
-
-def split_rows(
-    data: FederatedData, split: str, client: int, label_space: str, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """One client's inputs (model inputs in ``dtype``) and labels of a split."""
-    offsets = getattr(data, f"{split}_offsets")
-    rows = slice(int(offsets[client]), int(offsets[client + 1]))
-    labels = getattr(data, f"y_{split}_local" if label_space == "local" else f"y_{split}")
-    return data.inputs(getattr(data, f"x_{split}")[rows]).to(dtype), labels[rows]
-
-
-def label_mask(data: FederatedData, client: int, label_space: str, dtype: torch.dtype) -> Tensor:
-    """Which logits a client's head has: its own K_i classes (local) or all C (global)."""
-    if label_space == "local":
-        return (data.client_classes[client] >= 0).to(dtype)
-    return torch.ones(data.num_classes, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -148,7 +118,7 @@ class Cohort:
     schedules (what the loop and fused backends run on, with no copy). :attr:`data` stacks and
     pads them all, built on first use (the vmap backend): ``x [C, n_max, ...]``,
     ``batches [C, S_max, B_max]``; client ``c`` really has ``sizes[c]`` samples and runs
-    ``steps[c]`` steps of ``widths[c]`` entries, its padding steps first (they do nothing).
+    ``steps[c]`` steps, its padding steps first (they do nothing).
 
     Attributes:
         clients: The sampled client ids.
@@ -174,10 +144,6 @@ class Cohort:
     @property
     def steps(self) -> np.ndarray:
         return np.array([idx.shape[0] for idx, _ in self.run], np.int64)
-
-    @property
-    def widths(self) -> np.ndarray:
-        return np.array([idx.shape[1] for idx, _ in self.run], np.int64)
 
     def client(self, c: int) -> ClientData:
         """Client ``c``'s data with no padding (views of the pool's rows)."""
@@ -281,19 +247,26 @@ class ClientPool:
         local = label_space == "local"
         x = getattr(data, f"x_{split}")
         y = getattr(data, f"y_{split}_local" if local else f"y_{split}")
-        offsets = getattr(data, f"{split}_offsets")
         if local:
             masks = (data.client_classes >= 0).to(dtype)
         else:
             masks = torch.ones(data.num_clients, data.num_classes, dtype=dtype)
-        owner = torch.repeat_interleave(torch.arange(len(offsets) - 1), offsets.diff())
+        sizes = getattr(data, f"{split}_offsets").diff().numpy()
+        return cls.of(data.inputs(x).to(device=device, dtype=dtype), y.to(device), sizes, masks)
+
+    @classmethod
+    def of(cls, x: Tensor, y: Tensor, sizes: np.ndarray, label_masks: Tensor) -> ClientPool:
+        """The pool of clients whose rows of ``x`` and ``y`` follow one another, ``sizes[i]``
+        rows each (label masks ``[I, K]``)."""
+        sizes = np.asarray(sizes, np.int64)
+        owner = np.repeat(np.arange(len(sizes)), sizes)
         return cls(
-            x=data.inputs(x).to(device=device, dtype=dtype),
-            y=y.to(device),
-            offsets=offsets[:-1].to(device),
-            sizes=offsets.diff().numpy(),
-            label_masks=masks.to(device),
-            known=torch.bincount(owner[y >= 0], minlength=len(offsets) - 1).numpy(),
+            x=x,
+            y=y,
+            offsets=torch.from_numpy(np.cumsum(sizes) - sizes).to(x.device),
+            sizes=sizes,
+            label_masks=label_masks.to(x.device),
+            known=np.bincount(owner[(y >= 0).cpu().numpy()], minlength=len(sizes)),
         )
 
     @property
@@ -331,19 +304,10 @@ class ClientPool:
             rows = np.arange(self.starts[i], self.starts[i] + self.sizes[i])
             parts.append(rows if keep is None else rows[keep(int(i), len(rows))])
         rows = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+        rows = rows.to(self.device)
         sizes = np.array([len(part) for part in parts], np.int64)
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        ids = torch.as_tensor(clients, device=self.device)
-        y = self.y[rows.to(self.device)]
-        owner = np.repeat(np.arange(len(clients)), sizes)
-        return ClientPool(
-            x=self.x[rows.to(self.device)],
-            y=y,
-            offsets=torch.from_numpy(offsets).to(self.device),
-            sizes=sizes,
-            label_masks=self.label_masks[ids],
-            known=np.bincount(owner[(y >= 0).cpu().numpy()], minlength=len(clients)),
-        )
+        masks = self.label_masks[torch.as_tensor(clients, device=self.device)]
+        return ClientPool.of(self.x[rows], self.y[rows], sizes, masks)
 
     def own(self, client: int) -> tuple[Tensor, Tensor]:
         """One client's inputs and labels (views, no copy)."""
@@ -450,14 +414,6 @@ class SharedFeatures:
 
 #: Stores larger than this many bytes take memory page by page as rows are written.
 LAZY_BYTES = 2**26
-_NUMPY_DTYPES = {
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.float16: np.float16,
-    torch.int64: np.int64,
-    torch.int32: np.int32,
-    torch.bool: np.bool_,
-}
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -467,13 +423,14 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     so a store of a million clients takes memory for the clients that trained, a few kilobytes
     each, not for the whole table.
     """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes < LAZY_BYTES or dtype not in _NUMPY_DTYPES:
+    one = torch.empty((), dtype=dtype)
+    nbytes = math.prod(shape) * one.element_size()
+    if nbytes < LAZY_BYTES or dtype == torch.bfloat16:  # (NumPy has no bfloat16)
         return torch.zeros(shape, dtype=dtype)
     buffer = mmap.mmap(-1, nbytes)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         buffer.madvise(mmap.MADV_NOHUGEPAGE)  # one written row must not commit 2 MB
-    return torch.from_numpy(np.frombuffer(buffer, _NUMPY_DTYPES[dtype]).reshape(shape))
+    return torch.from_numpy(np.frombuffer(buffer, one.numpy().dtype).reshape(shape))
 
 
 class ClientStore:
@@ -527,9 +484,6 @@ class ClientStore:
 
     def get(self, client: int) -> ClientState:
         return {k: v[client] for k, v in self.tensors.items()}
-
-    def put(self, client: int, state: ClientState) -> None:
-        self.scatter(np.array([client]), tree.map_(lambda v: v.unsqueeze(0), state))
 
     def nbytes(self) -> int:
         """Bytes of the rows that hold a state (what the store really occupies)."""

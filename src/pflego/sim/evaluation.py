@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from pflego import tree
 from pflego.config import Config
@@ -155,18 +156,13 @@ class Evaluation:
         else on pools of just them (a generated population always)."""
         if len(clients) == 0:
             return []
-        whole = len(clients) == self.exp.data.num_clients and isinstance(
-            self.train_pool, ClientPool
-        )
         keep = self.train_subsample if self.cfg.eval_train_samples is not None else None
-        if whole:
-            pools, order = self.eval_pools, None
-        else:
+        pools = self.eval_pools
+        if len(clients) < self.exp.data.num_clients or not isinstance(self.train_pool, ClientPool):
             pools = {
                 split: pool.select(clients, keep if split == "train" else None)
                 for split, pool in self.pools.items()
             }
-            order = clients
         first = self.algorithm.send(self.server, ctx, torch.as_tensor(clients[:1]), True)
 
         def downlink_for(ids: np.ndarray) -> Downlink:
@@ -179,7 +175,7 @@ class Evaluation:
             downlink_for,
             self.store.read(clients),
             pools,
-            self.personalization(completed, clients=order),
+            self.personalization(completed, clients=clients),
             self.cfg.chunk_size,
             counts={"train": self.train_pool.sizes[clients]} if keep else None,
         )
@@ -205,16 +201,15 @@ class Evaluation:
             if not len(mine):
                 return []
             states = tree.stack(self.init_state(offset + int(j), host, ctx) for j in mine)
-            whole = len(mine) == count
             pools = self.unseen_pools
-            if not whole:
+            if len(mine) < count:
                 pools = {split: pool.select(mine) for split, pool in pools.items()}
             rows = client_rows(
                 self.algorithm,
                 downlink_for,
                 states,
                 pools,
-                self.personalization(completed, unseen=True, clients=None if whole else mine),
+                self.personalization(completed, unseen=True, clients=mine),
                 self.cfg.chunk_size,
             )
             for row in rows:
@@ -239,14 +234,12 @@ def evaluation_sample(config: Config, num_clients: int) -> np.ndarray:
 
 
 def same_values(a: Any, b: Any) -> bool:
-    """Whether two nested dicts of tensors hold the same keys and values."""
-    if isinstance(a, dict):
-        return (
-            isinstance(b, dict) and a.keys() == b.keys() and all(same_values(a[k], b[k]) for k in a)
-        )
-    if isinstance(a, Tensor):
-        return isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
-    return a == b
+    """Whether two nested dicts and lists of tensors hold the same structure and values."""
+    (left, structure), (right, other) = pytree.tree_flatten(a), pytree.tree_flatten(b)
+    return structure == other and all(
+        isinstance(y, Tensor) and torch.equal(x, y) if isinstance(x, Tensor) else x == y
+        for x, y in zip(left, right, strict=True)
+    )
 
 
 def evaluation_due(config: Config, completed: int) -> bool:

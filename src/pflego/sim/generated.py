@@ -53,18 +53,14 @@ class GeneratedPool:
             xs.append(x[part])
             ys.append(labels)
             masks.append(mask)
-        sizes = np.array([len(y) for y in ys], np.int64)
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         dim = self.data.input_shape
         x = np.concatenate(xs) if xs else np.zeros((0, *dim), np.float32)
         y = np.concatenate(ys) if ys else np.zeros(0, np.int64)
-        return ClientPool(
-            x=torch.from_numpy(x).to(self.device, self.dtype),
-            y=torch.from_numpy(y.astype(np.int64)).to(self.device),
-            offsets=torch.from_numpy(offsets).to(self.device),
-            sizes=np.asarray(sizes),
-            label_masks=torch.from_numpy(np.stack(masks)).to(self.device, self.dtype),
-            known=np.array([int((labels >= 0).sum()) for labels in ys], np.int64),
+        return ClientPool.of(
+            torch.from_numpy(x).to(self.device, self.dtype),
+            torch.from_numpy(y.astype(np.int64)).to(self.device),
+            np.array([len(y) for y in ys], np.int64),
+            torch.from_numpy(np.stack(masks)).to(self.device, self.dtype),
         )
 
     def cohort(self, clients, run, rng_for, extra=None, validation=None):

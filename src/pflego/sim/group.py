@@ -47,11 +47,6 @@ def check_nproc(nproc: int | None) -> None:
         )
 
 
-def backend_for(device_type: str) -> str:
-    """gloo for runs on the CPU; on CUDA, NCCL for tensors beside gloo for host objects."""
-    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
-
-
 @dataclass(frozen=True)
 class Group:
     """This process's rank among ``world`` processes (``local_rank`` on its machine).
@@ -66,8 +61,9 @@ class Group:
 
     @classmethod
     def start(cls, device_type: str = "cpu") -> Group:
-        """Join the process group that torch's environment variables describe."""
-        backend = backend_for(device_type)
+        """Join the process group that torch's environment variables describe: gloo for runs on
+        the CPU; on CUDA, NCCL for tensors beside gloo for host objects."""
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
         if not dist.is_initialized():
             dist.init_process_group(backend)
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -175,7 +171,8 @@ class Group:
         widths = [int(np.prod(spec[k][0], dtype=np.int64)) * spec[k][1].itemsize for k in keys]
         buffer = torch.zeros(most, sum(widths), dtype=torch.uint8, device=device)
         if mine and keys:  # every row's tensors as raw bytes, side by side
-            buffer[:mine] = torch.cat([as_bytes(part[k].to(device), mine) for k in keys], 1)
+            flat = [part[k].to(device).contiguous().reshape(mine, -1) for k in keys]
+            buffer[:mine] = torch.cat([v.view(torch.uint8) for v in flat], 1)
         received = [torch.empty_like(buffer) for _ in range(self.world)]
         dist.all_gather(received, buffer)
         table = torch.cat([received[r][: counts[r]] for r in range(self.world)])[order]
@@ -183,11 +180,6 @@ class Group:
             k: fresh(block).view(spec[k][1]).reshape(len(owners), *spec[k][0])
             for k, block in zip(keys, table.split(widths, 1), strict=True)
         }
-
-
-def as_bytes(stacked: Tensor, count: int) -> Tensor:
-    """``[count, ...]`` as ``[count, bytes per row]`` of raw bytes (the same memory's bits)."""
-    return stacked.contiguous().reshape(count, -1).view(torch.uint8)
 
 
 def fresh(block: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from pflego import tree
 from pflego.errors import DivergedError
@@ -124,10 +125,7 @@ def finite_rows(*stacked: dict[str, Tensor]) -> Tensor:
     leaves = [v for t in stacked for v in t.values()]
     if not leaves:
         return torch.ones(0, dtype=torch.bool)
-    flags = [finite_by_row(v.reshape(v.shape[0], -1)) for v in leaves if v.dim() > 0]
-    return (
-        torch.stack(flags).all(0).cpu() if flags else torch.ones(len(leaves[0]), dtype=torch.bool)
-    )
+    return torch.stack([finite_by_row(v.reshape(v.shape[0], -1)) for v in leaves]).all(0).cpu()
 
 
 def finite_by_row(matrix: Tensor) -> Tensor:
@@ -169,12 +167,8 @@ class Updates:
 
     def kept(self, keep: np.ndarray) -> Updates:
         """The updates of the members where ``keep`` holds, at their positions among them."""
-        index = np.flatnonzero(keep)
-        out = ClientOut(
-            rows(self.out.upload, index),
-            self.out.weight[torch.from_numpy(index).to(self.out.weight.device)],
-            rows(self.out.metrics, index),
-        )
+        index = torch.from_numpy(np.flatnonzero(keep))
+        out = pytree.tree_map(lambda v: v[index.to(v.device)], self.out)
         held = keep[self.held]
         renumbered = (np.cumsum(keep) - 1)[self.held[held]]
         states = rows(self.states, np.flatnonzero(held))

@@ -84,12 +84,11 @@ class Personalization:
 
 @dataclass
 class Chunk:
-    """Clients evaluated together: their positions among the evaluated clients (``group``),
-    ids (and as a tensor), downlink (shared, or one a client), and states before
-    and after personalization (one dict a client when evaluated :func:`one_by_one`, else
-    stacked); ``features``: the shared body's features of their rows, by split, once computed."""
+    """Clients evaluated together: their ids (and as a tensor), downlink (shared, or one a
+    client), and states before and after personalization (one dict a client when evaluated
+    :func:`one_by_one`, else stacked); ``features``: the shared body's features of their rows, by
+    split, once computed."""
 
-    group: np.ndarray
     ids: np.ndarray
     index: Tensor
     downlink: Downlink
@@ -275,11 +274,8 @@ class Evaluator:
         clients: np.ndarray,
         personalization: Personalization | None,
         chunk_size: int | None = None,
-        budget: int | None = None,
     ) -> None:
         first = next(iter(pools.values()))
-        if budget is None:
-            budget = EVAL_BYTES if first.device.type == "cpu" else DEVICE_EVAL_BYTES
         self.algorithm, self.pools, self.clients = algorithm, pools, clients
         self.personalization = personalization
         self.device, self.dtype = first.device, first.x.dtype
@@ -296,15 +292,14 @@ class Evaluator:
         )
         self.bodies: dict[tuple[str, str], SharedFeatures] = {}
         self.choices: dict[str, tuple[Strategy, Strategy]] = {}
-        self.sizes, self.batch_rows, self.groups = self.chunking(chunk_size, budget)
+        self.sizes, self.batch_rows, self.groups = self.chunking(chunk_size)
 
-    def chunking(
-        self, chunk_size: int | None, budget: int
-    ) -> tuple[np.ndarray, int, list[np.ndarray]]:
+    def chunking(self, chunk_size: int | None) -> tuple[np.ndarray, int, list[np.ndarray]]:
         """Each client's size (its largest split's), the rows of a shared body's pass, and the
         chunks: positions of clients grouped by size, each one's inputs and activations within
-        ``budget`` bytes (and ``chunk_size`` clients)."""
+        :data:`EVAL_BYTES` (on a GPU :data:`DEVICE_EVAL_BYTES`) and ``chunk_size`` clients."""
         pools, model = self.pools.values(), self.algorithm.model
+        budget = EVAL_BYTES if self.device.type == "cpu" else DEVICE_EVAL_BYTES
         body = max(sample_elements(model, tuple(p.x.shape[1:])) for p in pools)
         element = torch.finfo(self.dtype).bits // 8
         batch_rows = max(1, budget // (body * element))
@@ -369,7 +364,7 @@ class Evaluator:
         index = torch.as_tensor(ids, device=device)
         sent = downlink_for(ids)
         downlink = sent if isinstance(sent, Downlink) else self.algorithm.received(sent)
-        chunk = Chunk(group, ids, index, downlink, own, own, looped)
+        chunk = Chunk(ids, index, downlink, own, own, looped)
         how = self.personalization
         if how is not None and looped:
             chunk.after = personalized(self.algorithm, how, chunk)
@@ -476,7 +471,6 @@ def evaluate_clients(
     personalization: Personalization | None = None,
     chunk_size: int | None = None,
     clients: np.ndarray | None = None,
-    budget: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Per-client losses and accuracies of every view on every split, chunk by chunk
     (strategies: :class:`Evaluator`).
@@ -489,17 +483,16 @@ def evaluate_clients(
             device): ``[len(clients), ...]``, or ``[I, ...]`` when ``clients`` is ``None``.
         pools: The splits to evaluate on (``train``, ``test``, optionally ``val``).
         personalization: Run ``adapt`` or ``join`` first; ``None`` evaluates the states as they are.
-        chunk_size: At most this many clients per chunk (default: as many as fit ``budget``).
-        clients: Which clients to evaluate (default all), in the order of the returned columns.
-        budget: Bytes a chunk's inputs and activations may take (default:
+        chunk_size: At most this many clients per chunk (default: as many as fit
             :data:`EVAL_BYTES` on a CPU, :data:`DEVICE_EVAL_BYTES` on another device).
+        clients: Which clients to evaluate (default all), in the order of the returned columns.
 
     Returns:
         Columns ``[len(clients)]`` (float64) named ``<split>_<loss|acc>[_<view>]``.
     """
     first = next(iter(pools.values()))
     ids = np.arange(len(first.sizes)) if clients is None else np.asarray(clients, np.int64)
-    evaluator = Evaluator(algorithm, pools, ids, personalization, chunk_size, budget)
+    evaluator = Evaluator(algorithm, pools, ids, personalization, chunk_size)
     return evaluator.columns(downlink_for, states)
 
 
@@ -542,7 +535,6 @@ def evaluate_pools(
     pools: dict[str, ClientPool],
     personalization: Personalization | None = None,
     chunk_size: int | None = None,
-    counts: dict[str, np.ndarray] | None = None,
 ) -> tuple[dict[str, float], list[dict[str, float]]]:
     """Evaluate every client's personalized model on each of its splits.
 
@@ -551,9 +543,7 @@ def evaluate_pools(
     Returns:
         Summary metrics (see :func:`summarize`) and one row per client.
     """
-    rows = client_rows(
-        algorithm, downlink_for, states, pools, personalization, chunk_size, counts=counts
-    )
+    rows = client_rows(algorithm, downlink_for, states, pools, personalization, chunk_size)
     return summarize(rows), rows
 
 

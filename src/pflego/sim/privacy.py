@@ -134,13 +134,14 @@ class Accountant:
         except (ArithmeticError, ValueError):  # noise too small for the accountant's arithmetic
             return math.inf
 
+    @functools.lru_cache(maxsize=16)  # noqa: B019  (once a process: every Flower node's sigma)
     def calibrate(self, target_epsilon: float, rounds: int) -> float:
         """The noise multiplier whose epsilon after ``rounds`` rounds is ``target_epsilon``."""
         dpa = _dp_accounting()
         try:
             with warnings.catch_warnings():  # numpy overflows while bracketing a huge epsilon
                 warnings.simplefilter("ignore", RuntimeWarning)
-                sigma = float(
+                return float(
                     dpa.calibrate_dp_mechanism(
                         self.fresh,
                         lambda sigma: self.event(rounds, sigma),
@@ -150,7 +151,6 @@ class Accountant:
                         tol=1e-4,
                     )
                 )
-            return sigma
         except (
             ArithmeticError,
             ValueError,
@@ -161,12 +161,6 @@ class Accountant:
                 f"over {rounds} rounds ({type(exc).__name__}); choose another dp_target_epsilon "
                 "or give dp_noise"
             ) from None
-
-
-@functools.lru_cache(maxsize=16)
-def calibrated_noise(accountant: Accountant, target_epsilon: float, rounds: int) -> float:
-    """``Accountant.calibrate``, once per process (every Flower node resolves the same sigma)."""
-    return accountant.calibrate(target_epsilon, rounds)
 
 
 def clip(upload: Params, norm: float) -> Params:
@@ -180,12 +174,11 @@ def gaussian_like(params: Params, std: float, seed: int) -> Params:
     """Gaussian noise of standard deviation ``std`` shaped like ``params`` (float64 on the CPU,
     leaves in sorted order, then cast), the same on every machine for the same seed."""
     generator = torch.Generator().manual_seed(seed)
-    noise = {}
-    for k in sorted(params):
-        v = params[k]
-        draw = torch.randn(v.shape, generator=generator, dtype=torch.float64) * std
-        noise[k] = draw.to(device=v.device, dtype=v.dtype)
-    return {k: noise[k] for k in params}
+    draws = {
+        k: torch.randn(params[k].shape, generator=generator, dtype=torch.float64) * std
+        for k in sorted(params)
+    }
+    return {k: draws[k].to(device=v.device, dtype=v.dtype) for k, v in params.items()}
 
 
 def coefficients(algorithm: Algorithm, weights: Tensor, ctx: RoundContext) -> Tensor:
@@ -252,7 +245,7 @@ class Privacy:
         )
         _dp_accounting()  # fail before training when the accountant is missing
         if config.dp_target_epsilon is not None:
-            sigma = calibrated_noise(accountant, config.dp_target_epsilon, config.rounds)
+            sigma = accountant.calibrate(config.dp_target_epsilon, config.rounds)
             accountant = dataclasses.replace(accountant, noise=sigma)
         return cls(config.dp_clip, accountant, config.seed, tuple(int(n) for n in sizes))
 

@@ -29,45 +29,41 @@ class Profile:
     part of it the kernel spent (page faults, memory mapped and unmapped, system calls)."""
 
     PARTS = ("data", "train", "evaluate", "checkpoint")
+    #: The clocks: wall-clock, the process's CPU time, and the kernel's share of that.
+    CLOCKS = ("seconds", "cpu_seconds", "system_seconds")
 
     def __init__(self, startup: float | None = None) -> None:
-        self.start, self.start_cpu = time.perf_counter(), time.process_time()
-        self.start_system = os.times().system
+        self.start = clocks()
         self.startup = startup
-        self.seconds = dict.fromkeys(self.PARTS, 0.0)
-        self.cpu_seconds = dict.fromkeys(self.PARTS, 0.0)
-        self.system_seconds = dict.fromkeys(self.PARTS, 0.0)
+        self.spent = {clock: dict.fromkeys(self.PARTS, 0.0) for clock in self.CLOCKS}
 
     @contextmanager
     def part(self, name: str) -> Iterator[None]:
-        start, start_cpu, start_system = time.perf_counter(), time.process_time(), os.times().system
+        start = clocks()
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - start
-            self.cpu_seconds[name] += time.process_time() - start_cpu
-            self.system_seconds[name] += os.times().system - start_system
+            for clock, now, then in zip(self.CLOCKS, clocks(), start, strict=True):
+                self.spent[clock][name] += now - then
 
     def summary(self, **facts: Any) -> dict[str, Any]:
         """Wall-clock seconds by part (``other``: the rest of the run), the process's CPU seconds
         by part (all threads; on a busy machine they show what the run itself cost), the system
         (kernel) share of those, and ``facts``."""
-        total = time.perf_counter() - self.start
-        total_cpu = time.process_time() - self.start_cpu
-        total_system = os.times().system - self.start_system
+        out = {}
+        for clock, now, then in zip(self.CLOCKS, clocks(), self.start, strict=True):
+            parts, whole = self.spent[clock], now - then
+            startup = self.startup if clock == "seconds" else None
+            table = {"startup": round(startup, 3)} if startup is not None else {}
+            table |= {k: round(v, 3) for k, v in parts.items()}
+            table["other"] = round(max(0.0, whole - sum(parts.values())), 3)
+            out[clock] = table | {"total": round(whole + (startup or 0.0), 3)}
+        return out | facts
 
-        def table(parts: dict[str, float], whole: float, startup: float | None) -> dict:
-            out = {"startup": round(startup, 3)} if startup is not None else {}
-            out |= {k: round(v, 3) for k, v in parts.items()}
-            out["other"] = round(max(0.0, whole - sum(parts.values())), 3)
-            return out | {"total": round(whole + (startup or 0.0), 3)}
 
-        return {
-            "seconds": table(self.seconds, total, self.startup),
-            "cpu_seconds": table(self.cpu_seconds, total_cpu, None),
-            "system_seconds": table(self.system_seconds, total_system, None),
-            **facts,
-        }
+def clocks() -> tuple[float, float, float]:
+    """Now by each of :attr:`Profile.CLOCKS`."""
+    return time.perf_counter(), time.process_time(), os.times().system
 
 
 def process_age() -> float | None:
