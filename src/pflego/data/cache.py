@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from pflego.data.paths import default_data_dir
+from pflego.environment import source_files
 
 log = logging.getLogger("pflego.data")
 
@@ -75,13 +76,8 @@ def source_key(sources: Iterable[Path]) -> str:
 
 def fingerprint(sources: Iterable[Path]) -> str:
     """A short hash of the sources' paths, sizes and modification times (folders: their files)."""
-    lines = []
-    for source in sorted(Path(s).resolve() for s in sources):
-        files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
-        for f in files:
-            st = f.stat()
-            lines.append(f"{f}\0{st.st_size}\0{st.st_mtime_ns}")
-    return _sha1("\n".join(lines))
+    stats = [(f, f.stat()) for f in source_files(sources)]
+    return _sha1("\n".join(f"{f}\0{st.st_size}\0{st.st_mtime_ns}" for f, st in stats))
 
 
 def save_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:

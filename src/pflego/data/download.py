@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pooch
 
+from pflego.environment import digest
 from pflego.errors import DataError
 
 log = logging.getLogger("pflego.data")
@@ -127,31 +128,8 @@ def downloads_enabled() -> bool:
     return os.environ.get(NO_DOWNLOAD_ENV, "") in ("", "0")
 
 
-def verification_enabled() -> bool:
-    """False when ``PFLEGO_NO_VERIFY`` is set to anything but ``0`` / empty (``--no-verify``)."""
-    return os.environ.get(NO_VERIFY_ENV, "") in ("", "0")
-
-
-def file_digest(path: Path, algorithm: str) -> str:
-    """The ``algorithm`` digest (``"md5"``, ``"sha256"``) of the file at ``path``, by pooch.
-
-    Raises:
-        DataError: The file cannot be read.
-    """
-    try:
-        return pooch.file_hash(str(path), alg=algorithm)
-    except OSError as exc:
-        raise DataError(f"cannot read {path} ({exc.strerror or exc}); replace it") from None
-
-
-#: Local files already checked in this process: (path, size, mtime) -> their digest.
-_digests: dict[tuple[str, int, int], str] = {}
-_warned: set[tuple[str, int, int]] = set()
-
-
-def _stamp(path: Path) -> tuple[str, int, int]:
-    stat = path.stat()
-    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
+#: Local files whose mismatch has been warned about in this process.
+_warned: set[Path] = set()
 
 
 def verify_local(key: str, path: Path) -> Path:
@@ -168,19 +146,20 @@ def verify_local(key: str, path: Path) -> Path:
     if remote is None:
         return path
     algo, _, published = remote.checksum.partition(":")
-    stamp = _stamp(path)
-    if stamp not in _digests:
-        _digests[stamp] = file_digest(path, algo)
-    if _digests[stamp] == published.lower():
+    try:
+        found = digest(path, algo)
+    except OSError as exc:
+        raise DataError(f"cannot read {path} ({exc.strerror or exc}); replace it") from None
+    if found == published.lower():
         return path
-    if verification_enabled():
+    if os.environ.get(NO_VERIFY_ENV, "") in ("", "0"):  # no --no-verify
         raise DataError(
-            f"{path} does not match the official {remote.filename} ({algo} {_digests[stamp]} != "
+            f"{path} does not match the official {remote.filename} ({algo} {found} != "
             f"published {published}); replace it with the official file (delete it to download "
             "it again), or pass --no-verify to use it anyway"
         )
-    if stamp not in _warned:
-        _warned.add(stamp)
+    if path.resolve() not in _warned:
+        _warned.add(path.resolve())
         log.warning(
             "%s does not match the official file's published checksum; using it anyway "
             "(--no-verify)",
@@ -210,7 +189,6 @@ def _retrieve(remote: Remote, url: str, folder: Path) -> None:
             f"download of {url} does not match its published checksum ({remote.checksum}); try "
             f"again later or put the official file at {folder / remote.filename}"
         ) from None
-    _digests[_stamp(folder / remote.filename)] = remote.checksum.partition(":")[2].lower()
 
 
 def fetch(remote: Remote, folder: Path) -> Path:
