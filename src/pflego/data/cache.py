@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 
-from pflego.data.paths import default_data_dir
 from pflego.environment import source_files
 
 log = logging.getLogger("pflego.data")
@@ -45,6 +44,12 @@ def recording_sources() -> Iterator[list[Path]]:
         yield sources
     finally:
         _SOURCES.reset(token)
+
+
+def default_data_dir() -> Path:
+    """Where dataset files live by default: ``$PFLEGO_DATA`` if set, else
+    ``~/.cache/pflego/data`` (the loaders' and this cache's)."""
+    return Path(os.environ.get("PFLEGO_DATA", Path.home() / ".cache" / "pflego" / "data"))
 
 
 def fallback_cache_dir() -> Path:

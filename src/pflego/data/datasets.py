@@ -16,10 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pflego.data.cache import cached_arrays, recording_sources
+from pflego.data.cache import cached_arrays, default_data_dir, recording_sources
 from pflego.data.download import ensure_files
 from pflego.data.federated import ArrayDataset
-from pflego.data.paths import default_data_dir
 from pflego.errors import ConfigError, DataError
 
 
@@ -268,14 +267,12 @@ def synthetic_clients(
     dim: int = 60,
     num_classes: int = 10,
     size_scale: int = 1,
-    iid: bool = False,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Samples of Synthetic(alpha, beta) as in FedProx / pFedMe, one array pair per client.
 
     Per client k: ``u_k ~ N(0, alpha^2)``, ``B_k ~ N(0, beta^2)``, ``W_k[j,c], b_k[c] ~ N(u_k, 1)``,
     ``v_k[j] ~ N(B_k, 1)``; ``x ~ N(v_k, diag(j^-1.2))`` and ``y = argmax(x W_k + b_k)``.
-    Sizes ``n_k = (floor(LogNormal(4, 2)) + 50) * size_scale``. The IID variant shares one ``W, b``
-    and centres every client's ``x`` at ``B_k`` (zero for beta = 0).
+    Sizes ``n_k = (floor(LogNormal(4, 2)) + 50) * size_scale``.
 
     The draws come from NumPy's legacy ``RandomState(seed)`` in the order of the authors'
     generators (FedProx ``data/synthetic_*``, pFedMe ``data/Synthetic/generate_synthetic_05_05.py``):
@@ -286,15 +283,11 @@ def synthetic_clients(
     sizes = (rng.lognormal(4, 2, num_clients).astype(np.int64) + 50) * size_scale
     model_means = rng.normal(0, alpha, num_clients)
     input_means = rng.normal(0, beta, num_clients)
-    centres = [np.full(dim, b) if iid else rng.normal(b, 1, dim) for b in input_means]
+    centres = [rng.normal(b, 1, dim) for b in input_means]
     covariance = np.diag(np.arange(1, dim + 1, dtype=np.float64) ** -1.2)
-    if iid:
-        shared_w, shared_b = rng.normal(0, 1, (dim, num_classes)), rng.normal(0, 1, num_classes)
     xs, ys = [], []
     for n, u, centre in zip(sizes, model_means, centres):
         w, b = rng.normal(u, 1, (dim, num_classes)), rng.normal(u, 1, num_classes)
-        if iid:
-            w, b = shared_w, shared_b
         x = rng.multivariate_normal(centre, covariance, int(n))
         xs.append(x.astype(np.float32))
         ys.append(np.argmax(x @ w + b, axis=1).astype(np.int64))

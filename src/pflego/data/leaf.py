@@ -87,9 +87,7 @@ def _decode_split(
     return np.concatenate(xs), np.concatenate(ys), np.concatenate(groups)
 
 
-def load_leaf(
-    root: Path, name: str, encode: Any, num_classes: int, scale: float, version: int = 1
-) -> ArrayDataset:
+def load_leaf(root: Path, name: str, encode: Any, num_classes: int, scale: float) -> ArrayDataset:
     """A LEAF dataset with one natural client per user (writer / role)."""
     train_files, test_files = leaf_folders(root, name)
 
@@ -102,7 +100,7 @@ def load_leaf(
         out["users"] = np.array(list(index))
         return out
 
-    a = cached_arrays(name, version, train_files + test_files, decode)
+    a = cached_arrays(name, 1, train_files + test_files, decode)
     return ArrayDataset(
         name,
         a["x_train"],
