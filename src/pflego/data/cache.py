@@ -1,14 +1,10 @@
 """A cache of decoded dataset arrays, so that the second load of a dataset takes about a second.
 
-Decoded arrays are saved as an uncompressed ``.npz`` in ``$PFLEGO_CACHE``, by default
-``.pflego-cache`` inside the default data directory (``~/.cache/pflego/data/.pflego-cache``). The
-cache never goes into a data directory given with ``--data-dir``: such a folder may be shared or
-read-only. The file name carries the dataset name, the decoder version, a hash of the source paths
-and a fingerprint of the source files (size, modification time), so replacing a source file or
-changing the decoder invalidates the entry, and data directories do not collide. Entries are
-written atomically: arrays go to a temporary file in the same folder that is renamed over the final
-name only once complete, so an interrupted or failed decode never leaves a half-written entry, and
-a decode that fails (corrupt input) leaves the cache as it was.
+Entries are ``.npz`` files in ``$PFLEGO_CACHE`` (default: ``.pflego-cache`` in the default data
+directory), never in a ``--data-dir`` folder, which may be shared or read-only. A name carries the
+dataset, the decoder version, a hash of the source paths and a fingerprint of the source files
+(sizes, modification times), so a replaced file or a new decoder misses the old entry. Entries are
+renamed into place once complete: a failed or interrupted decode leaves the cache as it was.
 """
 
 from __future__ import annotations

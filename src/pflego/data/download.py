@@ -1,15 +1,11 @@
-"""The registry of official download locations and checksums, fetched with pooch, and checks of
-local copies.
+"""The official download locations and checksums of the built-in datasets, fetched with pooch,
+and checks of local copies.
 
-Files are fetched only when they are missing, the loader asks for them, and downloads are not
-switched off (``PFLEGO_NO_DOWNLOAD=1``). pooch streams a file into a temporary file next to its
-destination, checks it against the published checksum and only then moves it into place, so a
-failed or interrupted download never leaves a partial file behind; the URLs of a file are tried
-in order (the official location, then its mirrors), with pooch's progress bar on a terminal.
-
-An official file found locally is checked against its published checksum too (once per process):
-a mismatch is an error naming the file, or only a warning with ``--no-verify``
-(``PFLEGO_NO_VERIFY=1``).
+A missing file is downloaded unless ``PFLEGO_NO_DOWNLOAD=1``: pooch streams it next to its
+destination, checks the published checksum and only then moves it into place (no partial file is
+ever left), trying the official URL and then the mirrors. An official file found locally is checked
+against the same checksum once per process: a mismatch is an error naming the file, or a warning
+with ``--no-verify`` (``PFLEGO_NO_VERIFY=1``).
 """
 
 from __future__ import annotations
