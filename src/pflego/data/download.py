@@ -77,38 +77,26 @@ REMOTES: dict[str, list[Remote]] = {
             "t10k-labels-idx1-ubyte.gz": "bb300cfdad3c16e7a12a480ee83cd310",
         },
     ),
-    "emnist": [
-        Remote(
-            "gzip.zip",
-            (
-                "https://biometrics.nist.gov/cs_links/EMNIST/gzip.zip",
-                "http://www.itl.nist.gov/iaui/vip/cs_links/EMNIST/gzip.zip",
-            ),
-            "md5:58c8d27c78d21e728a6bc7b3cc06412e",
-        )
-    ],
-    "cifar10": [
-        Remote(
-            "cifar-10-python.tar.gz",
-            ("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",),
-            "md5:c58f30108f718f92721af3b95e74349a",
-        )
-    ],
-    "cifar100": [
-        Remote(
-            "cifar-100-python.tar.gz",
-            ("https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",),
-            "md5:eb9058c3a382ffc7106e4002c42a8d85",
-        )
-    ],
+    "emnist": _md5s(
+        (
+            "https://biometrics.nist.gov/cs_links/EMNIST/",
+            "http://www.itl.nist.gov/iaui/vip/cs_links/EMNIST/",
+        ),
+        {"gzip.zip": "58c8d27c78d21e728a6bc7b3cc06412e"},
+    ),
+    "cifar10": _md5s(
+        ("https://www.cs.toronto.edu/~kriz/",),
+        {"cifar-10-python.tar.gz": "c58f30108f718f92721af3b95e74349a"},
+    ),
+    "cifar100": _md5s(
+        ("https://www.cs.toronto.edu/~kriz/",),
+        {"cifar-100-python.tar.gz": "eb9058c3a382ffc7106e4002c42a8d85"},
+    ),
     # MedMNIST v3 (the ``medmnist`` package's INFO["organamnist"]: url and MD5 of the 28x28 file).
-    "organamnist": [
-        Remote(
-            "organamnist.npz",
-            ("https://zenodo.org/records/10519652/files/organamnist.npz",),
-            "md5:68e3f8846a6bd62f0c9bf841c0d9eacc",
-        )
-    ],
+    "organamnist": _md5s(
+        ("https://zenodo.org/records/10519652/files/",),
+        {"organamnist.npz": "68e3f8846a6bd62f0c9bf841c0d9eacc"},
+    ),
     "omniglot": _md5s(
         _OMNIGLOT_BASES,
         {

@@ -370,14 +370,13 @@ def federate(
         return _federate_pachinko(data, num_clients, alpha, beta, test_fraction, val_fraction, rng)
     k = P.resolve_classes_per_client(classes_per_client, data.num_classes)
     shares = P.class_shares(partition, num_clients, data.num_classes, rng, k, alpha)
-    if data.x_test is None:
-        parts = P.enforce_min_size(P.deal(data.y_train, shares, rng), min_client_size, rng)
-        train_parts, test_parts = P.split_train_test(parts, test_fraction, rng)
-        return _with_validation(data, train_parts, test_parts, val_fraction, rng)
     train_parts = P.enforce_min_size(P.deal(data.y_train, shares, rng), min_client_size, rng)
-    test_parts = P.deal(data.y_test, shares, rng)
-    if partition != "classes":
-        test_parts = P.enforce_min_size(test_parts, 1, rng)
+    if data.x_test is None:
+        train_parts, test_parts = P.split_train_test(train_parts, test_fraction, rng)
+    else:
+        test_parts = P.deal(data.y_test, shares, rng)
+        if partition != "classes":
+            test_parts = P.enforce_min_size(test_parts, 1, rng)
     return _with_validation(data, train_parts, test_parts, val_fraction, rng)
 
 
@@ -401,20 +400,16 @@ def _with_validation(
     return from_parts(data, train_parts, test_parts, x_test, y_test, val, groups)
 
 
-def _natural_groups(data: ArrayDataset) -> np.ndarray:
-    """Each training sample's natural group, or a one-line error when the dataset has none."""
-    if data.groups_train is None:
+def _groups(data: ArrayDataset, split: str = "train") -> np.ndarray:
+    """Each sample's natural group in ``split``, or a one-line error when the dataset has none."""
+    groups = getattr(data, f"groups_{split}")
+    if groups is None:
         raise ConfigError(
-            f"dataset {data.name} has no natural clients; use partition classes, dirichlet or iid"
+            f"dataset {data.name} has no natural clients"
+            + ("" if split == "train" else " for its test split")
+            + "; use partition classes, dirichlet or iid"
         )
-    return data.groups_train
-
-
-def _test_groups(data: ArrayDataset) -> np.ndarray:
-    """Each official test sample's natural group, or a one-line error when the dataset has none."""
-    if data.groups_test is None:
-        raise ConfigError(f"dataset {data.name} has no natural groups for its test split")
-    return data.groups_test
+    return groups
 
 
 def _group_names(data: ArrayDataset, groups: np.ndarray) -> list[str]:
@@ -430,13 +425,13 @@ def _federate_natural(
     val_fraction: float,
     rng: np.random.Generator,
 ) -> FederatedData:
-    selected = P.select_groups(_natural_groups(data), num_clients, rng)
+    selected = P.select_groups(_groups(data), num_clients, rng)
     groups = _group_names(data, selected)
     parts = P.group_parts(data.groups_train, selected)
     if data.x_test is None:
         train_parts, test_parts = P.split_train_test(parts, test_fraction, rng)
     else:
-        train_parts, test_parts = parts, P.group_parts(_test_groups(data), selected)
+        train_parts, test_parts = parts, P.group_parts(_groups(data, "test"), selected)
     return _with_validation(data, train_parts, test_parts, val_fraction, rng, groups)
 
 
@@ -449,7 +444,7 @@ def _federate_natural_dirichlet(
     val_fraction: float,
     rng: np.random.Generator,
 ) -> FederatedData:
-    groups = np.unique(_natural_groups(data))
+    groups = np.unique(_groups(data))
     if num_clients % len(groups):
         raise ConfigError(
             f"natural-dirichlet gives each of the {len(groups)} natural groups of {data.name} "
@@ -465,7 +460,7 @@ def _federate_natural_dirichlet(
         if data.x_test is None:
             parts, tests = P.split_train_test(parts, test_fraction, rng)
         else:
-            test_rows = np.flatnonzero(_test_groups(data) == g)
+            test_rows = np.flatnonzero(_groups(data, "test") == g)
             tests = [test_rows[p] for p in P.deal(data.y_test[test_rows], shares, rng)]
         train_parts += parts
         test_parts += tests
