@@ -112,14 +112,10 @@ def cached_arrays(
     sources: list[Path],
     decode: Callable[[], dict[str, np.ndarray]],
 ) -> dict[str, np.ndarray]:
-    """The decoded arrays of a dataset, from the cache when it holds them, else from ``decode()``.
-
-    Args:
-        name: Dataset (and variant) name, part of the cache file name.
-        version: Decoder version; bump it when the decoded form changes.
-        sources: The files or folders the arrays come from (their fingerprint keys the entry).
-        decode: Reads the sources; may raise ``DataError``, in which case nothing is written.
-    """
+    """The decoded arrays of a dataset (``name``, which the entry's name carries), from the cache
+    when it holds them, else from ``decode()`` (which may raise ``DataError``: nothing is written).
+    ``version`` is the decoder's (bump it when the decoded form changes); ``sources`` are the
+    files or folders the arrays come from."""
     recorded = _SOURCES.get()
     if recorded is not None:
         recorded.extend(Path(s) for s in sources)

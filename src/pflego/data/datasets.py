@@ -108,12 +108,8 @@ _IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">
 
 
 def parse_idx(raw: bytes, where: str) -> np.ndarray:
-    """Decode the bytes of an (uncompressed) IDX file, checking its header against its size.
-
-    Args:
-        raw: The file's bytes.
-        where: The file's name, for error messages.
-    """
+    """Decode the bytes of an (uncompressed) IDX file, checking its header against its size
+    (``where`` names the file in errors)."""
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
         raise DataError(f"{where} is not an IDX file; replace it with the official file")
     ndim = raw[3]

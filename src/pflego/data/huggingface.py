@@ -302,16 +302,9 @@ def load_hf(
     hf_client: str | None = None,
     hf_coarse: str | None = None,
 ) -> ArrayDataset:
-    """The classification dataset ``hf:<spec>`` (see the module's docstring).
-
-    Args:
-        spec: A Hub name with an optional ``:CONFIG``, a ``save_to_disk`` folder or a parquet file.
-        root: The data directory (unused: the ``datasets`` package keeps its own cache).
-        seed: Unused (pflego's own split is drawn by the partition).
-        hf_label: The label column (found when ``None``).
-        hf_features: Comma-separated input columns (found when ``None``).
-        hf_client: The column of each sample's natural client, if any.
-        hf_coarse: The column of coarse labels (for the pachinko partition), if any.
+    """The classification dataset ``hf:<spec>`` (see the module's docstring), its columns named
+    by the ``hf_`` settings (found when unset). ``root`` and ``seed`` are unused: the ``datasets``
+    package keeps its own cache, and the partition draws pflego's split.
 
     Raises:
         ConfigError: The ``hf`` extra is missing, or a named column does not exist.
@@ -341,10 +334,7 @@ def load_hf(
     )
     name = "hf-" + re.sub(r"[^\w.-]+", "-", spec).strip("-")[-40:]
     name += "-" + hashlib.sha1(choice.encode()).hexdigest()[:8]
-
-    def decode() -> dict[str, np.ndarray]:
-        return _decode(splits, label, inputs, hf_client, hf_coarse, spec)
-
+    decode = partial(_decode, splits, label, inputs, hf_client, hf_coarse, spec)
     a = cached_arrays(name, DECODER_VERSION, sources, decode) if sources else decode()
     return ArrayDataset(
         f"hf:{spec}",
