@@ -323,18 +323,8 @@ def federate(
     val_fraction: float = 0.0,
     beta: float = 10.0,
 ) -> FederatedData:
-    """Split a dataset over clients.
-
-    Partitions:
-        ``classes``, ``dirichlet``, ``iid``: a share matrix over labels (see :mod:`partition`).
-        ``pachinko``: FedEM's CIFAR-100 allocation, Dirichlet(``alpha``) over coarse labels and
-        Dirichlet(``beta``) over each coarse label's fine labels, per client; equal client sizes.
-        ``natural``: one client per natural group (writer, role, alphabet); with fewer ``clients``
-        than groups, a seeded random subset of the groups.
-        ``natural-dirichlet``: ``clients / G`` clients in each of the G natural groups (the
-        domains of Office-Home), each group's samples dealt to its clients by Dirichlet(``alpha``)
-        label shares (PGFed's Office-Home setting).
-        ``auto``: ``natural`` for datasets with natural groups, else ``classes``.
+    """Split a dataset over clients by ``partition`` (docs/datasets.md, "Partitions", says what
+    each does with ``classes_per_client``, ``alpha``, ``beta`` and the natural groups).
 
     With an official test split, the same per-client distribution deals train and test (for
     ``natural``, each group's own test samples), so each client's test data follows its training
