@@ -248,22 +248,19 @@ class Config:
     def check_cohort_range(self) -> None:
         """``min_cohort`` / ``max_cohort`` are set, 1 <= min <= max, for (and only for)
         ``sampling=uniform-count``; the population bound is checked once the data is known."""
-        bounds = {"min_cohort": self.min_cohort, "max_cohort": self.max_cohort}
-        if self.sampling != "uniform-count":
-            for name, value in bounds.items():
-                if value is not None:
-                    raise ConfigError(
-                        f"{name}={value} applies only to sampling=uniform-count; unset it or "
-                        "set sampling=uniform-count"
-                    )
-            return
-        for name, value in bounds.items():
-            if value is None or value < 1:
+        counted = self.sampling == "uniform-count"
+        for name, value in {"min_cohort": self.min_cohort, "max_cohort": self.max_cohort}.items():
+            if not counted and value is not None:
+                raise ConfigError(
+                    f"{name}={value} applies only to sampling=uniform-count; unset it or "
+                    "set sampling=uniform-count"
+                )
+            if counted and (value is None or value < 1):
                 raise ConfigError(
                     f"sampling=uniform-count needs {name} >= 1 (got {value}); set "
                     "--min-cohort and --max-cohort"
                 )
-        if self.min_cohort > self.max_cohort:
+        if counted and self.min_cohort > self.max_cohort:
             raise ConfigError(f"min_cohort={self.min_cohort} exceeds max_cohort={self.max_cohort}")
 
     def validate_privacy(self) -> None:

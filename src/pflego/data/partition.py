@@ -77,11 +77,9 @@ def class_shares(
             held, assign_classes(num_clients, num_classes, classes_per_client, rng), 1.0, 1
         )
         return held / held.sum(0, keepdims=True)
-    if kind == "dirichlet":
-        if not alpha > 0:
-            raise ConfigError(f"alpha={alpha} must be positive for the dirichlet partition")
-        return rng.dirichlet(np.full(num_clients, float(alpha)), size=num_classes).T
-    raise ConfigError(f"unknown partition {kind!r}; choose one of {', '.join(PARTITIONS)}")
+    if not alpha > 0:  # dirichlet (federate has refused other partitions)
+        raise ConfigError(f"alpha={alpha} must be positive for the dirichlet partition")
+    return rng.dirichlet(np.full(num_clients, float(alpha)), size=num_classes).T
 
 
 def _largest_remainder(shares: np.ndarray, total: int, rng: np.random.Generator) -> np.ndarray:
