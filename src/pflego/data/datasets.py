@@ -296,24 +296,17 @@ def synthetic_clients(
     False,
     "Synthetic(0.5, 0.5) of pFedMe: 100 natural clients of 250..25810 samples, d=60, 10 classes",
 )
-def load_synthetic(
-    root: Path,
-    seed: int = 0,
-    alpha: float = 0.5,
-    beta: float = 0.5,
-    num_clients: int = 100,
-    size_scale: int = 5,
-) -> ArrayDataset:
+def load_synthetic(root: Path, seed: int = 0) -> ArrayDataset:
     """The pFedMe paper's Synthetic(0.5, 0.5): the authors' draw, whatever the run's seed.
 
     The dataset is fixed like the paper's (generator seed 0, as the authors' script); the run's
     seed changes each client's train / test split, the initialization and the sampling. The
     authors' script splits 90 / 10; the paper (and ``test_fraction``'s default) 75 / 25.
     """
-    xs, ys = synthetic_clients(alpha, beta, num_clients, 0, size_scale=size_scale)
+    xs, ys = synthetic_clients(0.5, 0.5, num_clients=100, seed=0, size_scale=5)
     groups = np.concatenate([np.full(len(y), k) for k, y in enumerate(ys)])
     return ArrayDataset(
-        f"synthetic({alpha},{beta})",
+        "synthetic(0.5,0.5)",
         np.concatenate(xs),
         np.concatenate(ys),
         None,
