@@ -48,15 +48,10 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("PFLEGO_DATA", Path.home() / ".cache" / "pflego" / "data"))
 
 
-def fallback_cache_dir() -> Path:
-    """``$PFLEGO_CACHE`` if set, else ``.pflego-cache`` inside the default data directory."""
-    env = os.environ.get("PFLEGO_CACHE")
-    return Path(env) if env else default_data_dir() / CACHE_DIRNAME
-
-
 def cache_dir() -> Path | None:
-    """The cache folder, created if needed; ``None`` when it cannot be written."""
-    path = fallback_cache_dir()
+    """``$PFLEGO_CACHE`` if set, else ``.pflego-cache`` inside the default data directory,
+    created if needed; ``None`` when it cannot be written."""
+    path = Path(os.environ.get("PFLEGO_CACHE") or default_data_dir() / CACHE_DIRNAME)
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):

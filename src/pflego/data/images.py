@@ -49,14 +49,9 @@ def image_files(
 def decode_image(
     raw: bytes, where: str, mode: str, size: int, resample: Image.Resampling
 ) -> np.ndarray:
-    """One image converted to ``mode`` and resized to ``size`` x ``size`` with ``resample``.
-
-    Returns:
-        uint8 ``[size, size]`` for a one-band mode (``L``), else ``[size, size, bands]``.
-
-    Raises:
-        DataError: ``raw`` is not an image Pillow can decode (``where`` names it).
-    """
+    """One image converted to ``mode`` and resized to ``size`` x ``size`` with ``resample``: uint8
+    ``[size, size]`` for a one-band mode (``L``), else ``[size, size, bands]``; a ``DataError``
+    naming it (``where``) when Pillow cannot decode it."""
     try:
         with Image.open(io.BytesIO(raw)) as img:
             img = img.convert(mode).resize((size, size), resample)
