@@ -80,10 +80,8 @@ class ArrayDataset:
         extra = dict(self.extra)  # per-sample arrays such as CIFAR-100's fine / coarse labels
         for name in [k[: -len("_train")] for k in self.extra if k.endswith("_train")]:
             if f"{name}_test" in extra:
-                extra[f"{name}_train"] = np.concatenate(
-                    [extra[f"{name}_train"], extra[f"{name}_test"]]
-                )
-                del extra[f"{name}_test"]
+                test = extra.pop(f"{name}_test")
+                extra[f"{name}_train"] = np.concatenate([extra[f"{name}_train"], test])
         return dataclasses.replace(
             self,
             x_train=np.concatenate([self.x_train, self.x_test]),
@@ -305,9 +303,8 @@ def from_parts(
         groups=groups,
     )
     if val_parts is not None:
-        xva, yva, ova = _concat(data.x_train, data.y_train, val_parts)
-        out.x_val, out.y_val, out.val_offsets = xva, yva, ova
-        out.y_val_local = _local_labels(yva, ova, classes)
+        out.x_val, out.y_val, out.val_offsets = _concat(data.x_train, data.y_train, val_parts)
+        out.y_val_local = _local_labels(out.y_val, out.val_offsets, classes)
     return out
 
 

@@ -27,11 +27,6 @@ log = logging.getLogger("pflego.data")
 EMNIST_SPLITS = {"byclass": 62, "balanced": 47, "letters": 26, "digits": 10}
 
 
-def _emnist_member(split: str, part: str, kind: str) -> str:
-    dims = "idx3" if kind == "images" else "idx1"
-    return f"gzip/emnist-{split}-{part}-{kind}-{dims}-ubyte.gz"
-
-
 def _emnist_read(source: Path, member: str) -> np.ndarray:
     """One IDX array from the archive (or from the extracted ``gzip/`` folder)."""
     where = f"{source}:{member}" if source.suffix == ".zip" else str(source / member)
@@ -72,7 +67,8 @@ def load_emnist(root: Path, split: str) -> ArrayDataset:
     def decode() -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         for part in ("train", "test"):
-            images, labels = (_emnist_member(split, part, kind) for kind in ("images", "labels"))
+            images = f"gzip/emnist-{split}-{part}-images-idx3-ubyte.gz"
+            labels = f"gzip/emnist-{split}-{part}-labels-idx1-ubyte.gz"
             x, y = _emnist_read(source, images), _emnist_read(source, labels).astype(np.int64)
             if x.ndim != 3 or x.shape[1:] != (28, 28):
                 raise DataError(
