@@ -34,10 +34,7 @@ def leaf_folders(root: Path, name: str) -> tuple[list[Path], list[Path]]:
     """The train and test JSON files of a LEAF dataset (test empty for an ``all_data`` copy)."""
     base = root / name
     for folder in (base, base / "data"):
-        train, test = (
-            sorted((folder / "train").glob("*.json")),
-            sorted((folder / "test").glob("*.json")),
-        )
+        train, test = (sorted((folder / split).glob("*.json")) for split in ("train", "test"))
         if train and test:
             return train, test
     for folder in (base, base / "data"):
