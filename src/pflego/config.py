@@ -7,6 +7,8 @@ loaded, and fails with a one-line message that names the setting and the fix.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import math
 import types
@@ -246,22 +248,19 @@ class Config:
     def check_cohort_range(self) -> None:
         """``min_cohort`` / ``max_cohort`` are set, 1 <= min <= max, for (and only for)
         ``sampling=uniform-count``; the population bound is checked once the data is known."""
-        bounds = {"min_cohort": self.min_cohort, "max_cohort": self.max_cohort}
-        if self.sampling != "uniform-count":
-            for name, value in bounds.items():
-                if value is not None:
-                    raise ConfigError(
-                        f"{name}={value} applies only to sampling=uniform-count; unset it or "
-                        "set sampling=uniform-count"
-                    )
-            return
-        for name, value in bounds.items():
-            if value is None or value < 1:
+        counted = self.sampling == "uniform-count"
+        for name, value in {"min_cohort": self.min_cohort, "max_cohort": self.max_cohort}.items():
+            if not counted and value is not None:
+                raise ConfigError(
+                    f"{name}={value} applies only to sampling=uniform-count; unset it or "
+                    "set sampling=uniform-count"
+                )
+            if counted and (value is None or value < 1):
                 raise ConfigError(
                     f"sampling=uniform-count needs {name} >= 1 (got {value}); set "
                     "--min-cohort and --max-cohort"
                 )
-        if self.min_cohort > self.max_cohort:
+        if counted and self.min_cohort > self.max_cohort:
             raise ConfigError(f"min_cohort={self.min_cohort} exceeds max_cohort={self.max_cohort}")
 
     def validate_privacy(self) -> None:
@@ -330,26 +329,14 @@ def check_number(name: str, value: Any) -> None:
         raise ConfigError(f"{name}={value} is too large (at most {MAX_COUNT})")
 
 
-def _as_kind(kind: Any, value: Any) -> tuple[bool, Any]:
-    """``(True, value as kind)`` where ``value`` already is one (ints widen to floats)."""
-    number = isinstance(value, int | float) and not isinstance(value, bool)
+def _fits(kind: Any, value: Any) -> bool:
+    """Whether ``value`` already is a ``kind`` (an int is a float too; a bool is no number)."""
     if kind is bool or kind is str:
-        return isinstance(value, kind), value
-    if kind is int:
-        return number and isinstance(value, int), value
-    if kind is float:
-        return number, float(value) if number else value
-    return typing.get_origin(kind) is dict and isinstance(value, dict), value
-
-
-def _parsed(kind: Any, value: Any) -> tuple[bool, Any]:
-    """``(True, number)`` where ``value`` is a string from the command line that spells one."""
-    if not isinstance(value, str) or kind not in (int, float):
-        return False, value
-    try:
-        return True, kind(value)
-    except ValueError:
-        return False, value
+        return isinstance(value, kind)
+    if kind is int or kind is float:
+        number = int if kind is int else int | float
+        return isinstance(value, number) and not isinstance(value, bool)
+    return typing.get_origin(kind) is dict and isinstance(value, dict)
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -361,11 +348,13 @@ def _coerce(name: str, value: Any) -> Any:
         return None
     if value is None:  # a word such as none stays a word where no unset value exists
         raise ConfigError(f"{name} cannot be empty")  # (classes_per_client: high | medium | none)
-    for convert in (_as_kind, _parsed):  # the value as it is first, then strings as numbers
-        for kind in allowed:
-            fits, converted = convert(kind, value)
-            if fits:
-                return dict(converted) if isinstance(converted, dict) else converted
+    for kind in allowed:  # the value as it is first (a mapping copied), then strings as numbers
+        if _fits(kind, value):
+            return float(value) if kind is float else copy.copy(value)
+    for kind in allowed:
+        if kind in (int, float) and isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return kind(value)
     names = " or ".join(getattr(k, "__name__", str(k)) for k in allowed if k is not type(None))
     raise ConfigError(f"{name}={value!r} must be {names}")
 

@@ -31,7 +31,8 @@ from pflego._version import __version__
 #: The format of ``checkpoint.pt`` this code writes and reads (checkpoints without one are 1).
 CHECKPOINT_FORMAT = 2
 
-_CHECKSUMS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256, per process
+#: Digests already taken in this process: (path, size, mtime, algorithm) -> hex digest.
+_DIGESTS: dict[tuple[str, int, int, str], str] = {}
 
 
 def pflego_version() -> str:
@@ -55,26 +56,32 @@ def git_checkout() -> dict[str, Any] | None:
         return None
 
 
-def sha256(path: Path) -> str:
-    """The SHA-256 of a file (remembered for this process while its size and time stay)."""
+def digest(path: Path, algorithm: str = "sha256") -> str:
+    """The hex ``algorithm`` digest of a file (``hashlib``'s names), remembered for this process
+    while the file's size and time stay."""
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    if key not in _CHECKSUMS:
-        digest = hashlib.sha256()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, algorithm)
+    if key not in _DIGESTS:
+        hasher = hashlib.new(algorithm)
         with path.open("rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-        _CHECKSUMS[key] = digest.hexdigest()
-    return _CHECKSUMS[key]
+                hasher.update(chunk)
+        _DIGESTS[key] = hasher.hexdigest()
+    return _DIGESTS[key]
+
+
+def source_files(sources: Iterable[Path]) -> list[Path]:
+    """The files of ``sources``, resolved and sorted: each file, and every file inside a folder."""
+    files = []
+    for source in sorted({Path(s).resolve() for s in sources}):
+        inside = source.rglob("*") if source.is_dir() else [source]
+        files += sorted(p for p in inside if p.is_file())
+    return files
 
 
 def file_checksums(sources: Iterable[Path]) -> dict[str, str]:
     """``{path: sha256}`` of the source files (every file inside a source folder)."""
-    out = {}
-    for source in sorted({Path(s).resolve() for s in sources}):
-        files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
-        out |= {str(f): f"sha256:{sha256(f)}" for f in files if f.is_file()}
-    return out
+    return {str(f): f"sha256:{digest(f)}" for f in source_files(sources)}
 
 
 def _version(package: str) -> str | None:

@@ -10,6 +10,7 @@ from the same declarations (``python -m pflego.tools.settings_doc``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -95,21 +96,16 @@ def meaning_of(field: dataclasses.Field) -> str:
     return field.metadata.get("meaning", "")
 
 
-def keeps(rule: Rule, value: Any) -> bool:
-    """Whether ``value`` keeps ``rule`` (a value of another type, which cannot, does not)."""
-    try:
-        return bool(rule.holds(value))
-    except TypeError:
-        return False
-
-
 def check_value(
     name: str, value: Any, rule: Rule | None, prefix: str = "", optional: bool = True
 ) -> None:
     """Fail with ``<prefix><name>=<value> <rule.says>`` unless ``value`` keeps ``rule`` (or is
-    ``None`` for an ``optional`` setting)."""
-    if rule is None or (value is None and optional) or keeps(rule, value):
+    ``None`` for an ``optional`` setting); a value of another type, which cannot, does not."""
+    if rule is None or (value is None and optional):
         return
+    with contextlib.suppress(TypeError):
+        if rule.holds(value):
+            return
     shown = repr(value) if rule.quoted else value
     raise ConfigError(f"{prefix}{name}={shown} {rule.says}")
 

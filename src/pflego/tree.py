@@ -75,12 +75,6 @@ def stack(trees: Iterable[Mapping[str, Tensor]]) -> Params:
     return {k: torch.stack([t[k] for t in trees]) for k in trees[0]} if trees else {}
 
 
-def unstack(tree: Mapping[str, Tensor]) -> list[Params]:
-    """Inverse of :func:`stack`."""
-    n = len(next(iter(tree.values()))) if tree else 0
-    return [{k: v[i] for k, v in tree.items()} for i in range(n)]
-
-
 def weighted_sum(stacked: Mapping[str, Tensor], weights: Tensor) -> Params:
     """``sum_c weights[c] * stacked[k][c]`` for each leaf ``k``."""
     return {k: torch.tensordot(weights.to(v.dtype), v, dims=1) for k, v in stacked.items()}

@@ -1,14 +1,10 @@
 """A cache of decoded dataset arrays, so that the second load of a dataset takes about a second.
 
-Decoded arrays are saved as an uncompressed ``.npz`` in ``$PFLEGO_CACHE``, by default
-``.pflego-cache`` inside the default data directory (``~/.cache/pflego/data/.pflego-cache``). The
-cache never goes into a data directory given with ``--data-dir``: such a folder may be shared or
-read-only. The file name carries the dataset name, the decoder version, a hash of the source paths
-and a fingerprint of the source files (size, modification time), so replacing a source file or
-changing the decoder invalidates the entry, and data directories do not collide. Entries are
-written atomically: arrays go to a temporary file in the same folder that is renamed over the final
-name only once complete, so an interrupted or failed decode never leaves a half-written entry, and
-a decode that fails (corrupt input) leaves the cache as it was.
+Entries are ``.npz`` files in ``$PFLEGO_CACHE`` (default: ``.pflego-cache`` in the default data
+directory), never in a ``--data-dir`` folder, which may be shared or read-only. A name carries the
+dataset, the decoder version, a hash of the source paths and a fingerprint of the source files
+(sizes, modification times), so a replaced file or a new decoder misses the old entry. Entries are
+renamed into place once complete: a failed or interrupted decode leaves the cache as it was.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pflego.data.paths import default_data_dir
+from pflego.environment import source_files
 
 log = logging.getLogger("pflego.data")
 
@@ -46,15 +42,16 @@ def recording_sources() -> Iterator[list[Path]]:
         _SOURCES.reset(token)
 
 
-def fallback_cache_dir() -> Path:
-    """``$PFLEGO_CACHE`` if set, else ``.pflego-cache`` inside the default data directory."""
-    env = os.environ.get("PFLEGO_CACHE")
-    return Path(env) if env else default_data_dir() / CACHE_DIRNAME
+def default_data_dir() -> Path:
+    """Where dataset files live by default: ``$PFLEGO_DATA`` if set, else
+    ``~/.cache/pflego/data`` (the loaders' and this cache's)."""
+    return Path(os.environ.get("PFLEGO_DATA", Path.home() / ".cache" / "pflego" / "data"))
 
 
 def cache_dir() -> Path | None:
-    """The cache folder, created if needed; ``None`` when it cannot be written."""
-    path = fallback_cache_dir()
+    """``$PFLEGO_CACHE`` if set, else ``.pflego-cache`` inside the default data directory,
+    created if needed; ``None`` when it cannot be written."""
+    path = Path(os.environ.get("PFLEGO_CACHE") or default_data_dir() / CACHE_DIRNAME)
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -75,13 +72,8 @@ def source_key(sources: Iterable[Path]) -> str:
 
 def fingerprint(sources: Iterable[Path]) -> str:
     """A short hash of the sources' paths, sizes and modification times (folders: their files)."""
-    lines = []
-    for source in sorted(Path(s).resolve() for s in sources):
-        files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
-        for f in files:
-            st = f.stat()
-            lines.append(f"{f}\0{st.st_size}\0{st.st_mtime_ns}")
-    return _sha1("\n".join(lines))
+    stats = [(f, f.stat()) for f in source_files(sources)]
+    return _sha1("\n".join(f"{f}\0{st.st_size}\0{st.st_mtime_ns}" for f, st in stats))
 
 
 def save_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -115,14 +107,10 @@ def cached_arrays(
     sources: list[Path],
     decode: Callable[[], dict[str, np.ndarray]],
 ) -> dict[str, np.ndarray]:
-    """The decoded arrays of a dataset, from the cache when it holds them, else from ``decode()``.
-
-    Args:
-        name: Dataset (and variant) name, part of the cache file name.
-        version: Decoder version; bump it when the decoded form changes.
-        sources: The files or folders the arrays come from (their fingerprint keys the entry).
-        decode: Reads the sources; may raise ``DataError``, in which case nothing is written.
-    """
+    """The decoded arrays of a dataset (``name``, which the entry's name carries), from the cache
+    when it holds them, else from ``decode()`` (which may raise ``DataError``: nothing is written).
+    ``version`` is the decoder's (bump it when the decoded form changes); ``sources`` are the
+    files or folders the arrays come from."""
     recorded = _SOURCES.get()
     if recorded is not None:
         recorded.extend(Path(s) for s in sources)

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pflego.data.cache import cached_arrays, recording_sources
+from pflego.data.cache import cached_arrays, default_data_dir, recording_sources
 from pflego.data.download import ensure_files
 from pflego.data.federated import ArrayDataset
-from pflego.data.paths import default_data_dir
 from pflego.errors import ConfigError, DataError
 
 
@@ -109,12 +108,8 @@ _IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">
 
 
 def parse_idx(raw: bytes, where: str) -> np.ndarray:
-    """Decode the bytes of an (uncompressed) IDX file, checking its header against its size.
-
-    Args:
-        raw: The file's bytes.
-        where: The file's name, for error messages.
-    """
+    """Decode the bytes of an (uncompressed) IDX file, checking its header against its size
+    (``where`` names the file in errors)."""
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
         raise DataError(f"{where} is not an IDX file; replace it with the official file")
     ndim = raw[3]
@@ -268,14 +263,12 @@ def synthetic_clients(
     dim: int = 60,
     num_classes: int = 10,
     size_scale: int = 1,
-    iid: bool = False,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Samples of Synthetic(alpha, beta) as in FedProx / pFedMe, one array pair per client.
 
     Per client k: ``u_k ~ N(0, alpha^2)``, ``B_k ~ N(0, beta^2)``, ``W_k[j,c], b_k[c] ~ N(u_k, 1)``,
     ``v_k[j] ~ N(B_k, 1)``; ``x ~ N(v_k, diag(j^-1.2))`` and ``y = argmax(x W_k + b_k)``.
-    Sizes ``n_k = (floor(LogNormal(4, 2)) + 50) * size_scale``. The IID variant shares one ``W, b``
-    and centres every client's ``x`` at ``B_k`` (zero for beta = 0).
+    Sizes ``n_k = (floor(LogNormal(4, 2)) + 50) * size_scale``.
 
     The draws come from NumPy's legacy ``RandomState(seed)`` in the order of the authors'
     generators (FedProx ``data/synthetic_*``, pFedMe ``data/Synthetic/generate_synthetic_05_05.py``):
@@ -286,15 +279,11 @@ def synthetic_clients(
     sizes = (rng.lognormal(4, 2, num_clients).astype(np.int64) + 50) * size_scale
     model_means = rng.normal(0, alpha, num_clients)
     input_means = rng.normal(0, beta, num_clients)
-    centres = [np.full(dim, b) if iid else rng.normal(b, 1, dim) for b in input_means]
+    centres = [rng.normal(b, 1, dim) for b in input_means]
     covariance = np.diag(np.arange(1, dim + 1, dtype=np.float64) ** -1.2)
-    if iid:
-        shared_w, shared_b = rng.normal(0, 1, (dim, num_classes)), rng.normal(0, 1, num_classes)
     xs, ys = [], []
     for n, u, centre in zip(sizes, model_means, centres):
         w, b = rng.normal(u, 1, (dim, num_classes)), rng.normal(u, 1, num_classes)
-        if iid:
-            w, b = shared_w, shared_b
         x = rng.multivariate_normal(centre, covariance, int(n))
         xs.append(x.astype(np.float32))
         ys.append(np.argmax(x @ w + b, axis=1).astype(np.int64))
@@ -307,24 +296,17 @@ def synthetic_clients(
     False,
     "Synthetic(0.5, 0.5) of pFedMe: 100 natural clients of 250..25810 samples, d=60, 10 classes",
 )
-def load_synthetic(
-    root: Path,
-    seed: int = 0,
-    alpha: float = 0.5,
-    beta: float = 0.5,
-    num_clients: int = 100,
-    size_scale: int = 5,
-) -> ArrayDataset:
+def load_synthetic(root: Path, seed: int = 0) -> ArrayDataset:
     """The pFedMe paper's Synthetic(0.5, 0.5): the authors' draw, whatever the run's seed.
 
     The dataset is fixed like the paper's (generator seed 0, as the authors' script); the run's
     seed changes each client's train / test split, the initialization and the sampling. The
     authors' script splits 90 / 10; the paper (and ``test_fraction``'s default) 75 / 25.
     """
-    xs, ys = synthetic_clients(alpha, beta, num_clients, 0, size_scale=size_scale)
+    xs, ys = synthetic_clients(0.5, 0.5, num_clients=100, seed=0, size_scale=5)
     groups = np.concatenate([np.full(len(y), k) for k, y in enumerate(ys)])
     return ArrayDataset(
-        f"synthetic({alpha},{beta})",
+        "synthetic(0.5,0.5)",
         np.concatenate(xs),
         np.concatenate(ys),
         None,

@@ -1,15 +1,11 @@
-"""The registry of official download locations and checksums, fetched with pooch, and checks of
-local copies.
+"""The official download locations and checksums of the built-in datasets, fetched with pooch,
+and checks of local copies.
 
-Files are fetched only when they are missing, the loader asks for them, and downloads are not
-switched off (``PFLEGO_NO_DOWNLOAD=1``). pooch streams a file into a temporary file next to its
-destination, checks it against the published checksum and only then moves it into place, so a
-failed or interrupted download never leaves a partial file behind; the URLs of a file are tried
-in order (the official location, then its mirrors), with pooch's progress bar on a terminal.
-
-An official file found locally is checked against its published checksum too (once per process):
-a mismatch is an error naming the file, or only a warning with ``--no-verify``
-(``PFLEGO_NO_VERIFY=1``).
+A missing file is downloaded unless ``PFLEGO_NO_DOWNLOAD=1``: pooch streams it next to its
+destination, checks the published checksum and only then moves it into place (no partial file is
+ever left), trying the official URL and then the mirrors. An official file found locally is checked
+against the same checksum once per process: a mismatch is an error naming the file, or a warning
+with ``--no-verify`` (``PFLEGO_NO_VERIFY=1``).
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ from pathlib import Path
 
 import pooch
 
+from pflego.environment import digest
 from pflego.errors import DataError
 
 log = logging.getLogger("pflego.data")
@@ -80,38 +77,26 @@ REMOTES: dict[str, list[Remote]] = {
             "t10k-labels-idx1-ubyte.gz": "bb300cfdad3c16e7a12a480ee83cd310",
         },
     ),
-    "emnist": [
-        Remote(
-            "gzip.zip",
-            (
-                "https://biometrics.nist.gov/cs_links/EMNIST/gzip.zip",
-                "http://www.itl.nist.gov/iaui/vip/cs_links/EMNIST/gzip.zip",
-            ),
-            "md5:58c8d27c78d21e728a6bc7b3cc06412e",
-        )
-    ],
-    "cifar10": [
-        Remote(
-            "cifar-10-python.tar.gz",
-            ("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",),
-            "md5:c58f30108f718f92721af3b95e74349a",
-        )
-    ],
-    "cifar100": [
-        Remote(
-            "cifar-100-python.tar.gz",
-            ("https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",),
-            "md5:eb9058c3a382ffc7106e4002c42a8d85",
-        )
-    ],
+    "emnist": _md5s(
+        (
+            "https://biometrics.nist.gov/cs_links/EMNIST/",
+            "http://www.itl.nist.gov/iaui/vip/cs_links/EMNIST/",
+        ),
+        {"gzip.zip": "58c8d27c78d21e728a6bc7b3cc06412e"},
+    ),
+    "cifar10": _md5s(
+        ("https://www.cs.toronto.edu/~kriz/",),
+        {"cifar-10-python.tar.gz": "c58f30108f718f92721af3b95e74349a"},
+    ),
+    "cifar100": _md5s(
+        ("https://www.cs.toronto.edu/~kriz/",),
+        {"cifar-100-python.tar.gz": "eb9058c3a382ffc7106e4002c42a8d85"},
+    ),
     # MedMNIST v3 (the ``medmnist`` package's INFO["organamnist"]: url and MD5 of the 28x28 file).
-    "organamnist": [
-        Remote(
-            "organamnist.npz",
-            ("https://zenodo.org/records/10519652/files/organamnist.npz",),
-            "md5:68e3f8846a6bd62f0c9bf841c0d9eacc",
-        )
-    ],
+    "organamnist": _md5s(
+        ("https://zenodo.org/records/10519652/files/",),
+        {"organamnist.npz": "68e3f8846a6bd62f0c9bf841c0d9eacc"},
+    ),
     "omniglot": _md5s(
         _OMNIGLOT_BASES,
         {
@@ -127,31 +112,8 @@ def downloads_enabled() -> bool:
     return os.environ.get(NO_DOWNLOAD_ENV, "") in ("", "0")
 
 
-def verification_enabled() -> bool:
-    """False when ``PFLEGO_NO_VERIFY`` is set to anything but ``0`` / empty (``--no-verify``)."""
-    return os.environ.get(NO_VERIFY_ENV, "") in ("", "0")
-
-
-def file_digest(path: Path, algorithm: str) -> str:
-    """The ``algorithm`` digest (``"md5"``, ``"sha256"``) of the file at ``path``, by pooch.
-
-    Raises:
-        DataError: The file cannot be read.
-    """
-    try:
-        return pooch.file_hash(str(path), alg=algorithm)
-    except OSError as exc:
-        raise DataError(f"cannot read {path} ({exc.strerror or exc}); replace it") from None
-
-
-#: Local files already checked in this process: (path, size, mtime) -> their digest.
-_digests: dict[tuple[str, int, int], str] = {}
-_warned: set[tuple[str, int, int]] = set()
-
-
-def _stamp(path: Path) -> tuple[str, int, int]:
-    stat = path.stat()
-    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
+#: Local files whose mismatch has been warned about in this process.
+_warned: set[Path] = set()
 
 
 def verify_local(key: str, path: Path) -> Path:
@@ -168,19 +130,20 @@ def verify_local(key: str, path: Path) -> Path:
     if remote is None:
         return path
     algo, _, published = remote.checksum.partition(":")
-    stamp = _stamp(path)
-    if stamp not in _digests:
-        _digests[stamp] = file_digest(path, algo)
-    if _digests[stamp] == published.lower():
+    try:
+        found = digest(path, algo)
+    except OSError as exc:
+        raise DataError(f"cannot read {path} ({exc.strerror or exc}); replace it") from None
+    if found == published.lower():
         return path
-    if verification_enabled():
+    if os.environ.get(NO_VERIFY_ENV, "") in ("", "0"):  # no --no-verify
         raise DataError(
-            f"{path} does not match the official {remote.filename} ({algo} {_digests[stamp]} != "
+            f"{path} does not match the official {remote.filename} ({algo} {found} != "
             f"published {published}); replace it with the official file (delete it to download "
             "it again), or pass --no-verify to use it anyway"
         )
-    if stamp not in _warned:
-        _warned.add(stamp)
+    if path.resolve() not in _warned:
+        _warned.add(path.resolve())
         log.warning(
             "%s does not match the official file's published checksum; using it anyway "
             "(--no-verify)",
@@ -210,7 +173,6 @@ def _retrieve(remote: Remote, url: str, folder: Path) -> None:
             f"download of {url} does not match its published checksum ({remote.checksum}); try "
             f"again later or put the official file at {folder / remote.filename}"
         ) from None
-    _digests[_stamp(folder / remote.filename)] = remote.checksum.partition(":")[2].lower()
 
 
 def fetch(remote: Remote, folder: Path) -> Path:

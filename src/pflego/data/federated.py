@@ -80,10 +80,8 @@ class ArrayDataset:
         extra = dict(self.extra)  # per-sample arrays such as CIFAR-100's fine / coarse labels
         for name in [k[: -len("_train")] for k in self.extra if k.endswith("_train")]:
             if f"{name}_test" in extra:
-                extra[f"{name}_train"] = np.concatenate(
-                    [extra[f"{name}_train"], extra[f"{name}_test"]]
-                )
-                del extra[f"{name}_test"]
+                test = extra.pop(f"{name}_test")
+                extra[f"{name}_train"] = np.concatenate([extra[f"{name}_train"], test])
         return dataclasses.replace(
             self,
             x_train=np.concatenate([self.x_train, self.x_test]),
@@ -305,9 +303,8 @@ def from_parts(
         groups=groups,
     )
     if val_parts is not None:
-        xva, yva, ova = _concat(data.x_train, data.y_train, val_parts)
-        out.x_val, out.y_val, out.val_offsets = xva, yva, ova
-        out.y_val_local = _local_labels(yva, ova, classes)
+        out.x_val, out.y_val, out.val_offsets = _concat(data.x_train, data.y_train, val_parts)
+        out.y_val_local = _local_labels(out.y_val, out.val_offsets, classes)
     return out
 
 
@@ -323,18 +320,8 @@ def federate(
     val_fraction: float = 0.0,
     beta: float = 10.0,
 ) -> FederatedData:
-    """Split a dataset over clients.
-
-    Partitions:
-        ``classes``, ``dirichlet``, ``iid``: a share matrix over labels (see :mod:`partition`).
-        ``pachinko``: FedEM's CIFAR-100 allocation, Dirichlet(``alpha``) over coarse labels and
-        Dirichlet(``beta``) over each coarse label's fine labels, per client; equal client sizes.
-        ``natural``: one client per natural group (writer, role, alphabet); with fewer ``clients``
-        than groups, a seeded random subset of the groups.
-        ``natural-dirichlet``: ``clients / G`` clients in each of the G natural groups (the
-        domains of Office-Home), each group's samples dealt to its clients by Dirichlet(``alpha``)
-        label shares (PGFed's Office-Home setting).
-        ``auto``: ``natural`` for datasets with natural groups, else ``classes``.
+    """Split a dataset over clients by ``partition`` (docs/datasets.md, "Partitions", says what
+    each does with ``classes_per_client``, ``alpha``, ``beta`` and the natural groups).
 
     With an official test split, the same per-client distribution deals train and test (for
     ``natural``, each group's own test samples), so each client's test data follows its training
@@ -370,14 +357,13 @@ def federate(
         return _federate_pachinko(data, num_clients, alpha, beta, test_fraction, val_fraction, rng)
     k = P.resolve_classes_per_client(classes_per_client, data.num_classes)
     shares = P.class_shares(partition, num_clients, data.num_classes, rng, k, alpha)
-    if data.x_test is None:
-        parts = P.enforce_min_size(P.deal(data.y_train, shares, rng), min_client_size, rng)
-        train_parts, test_parts = P.split_train_test(parts, test_fraction, rng)
-        return _with_validation(data, train_parts, test_parts, val_fraction, rng)
     train_parts = P.enforce_min_size(P.deal(data.y_train, shares, rng), min_client_size, rng)
-    test_parts = P.deal(data.y_test, shares, rng)
-    if partition != "classes":
-        test_parts = P.enforce_min_size(test_parts, 1, rng)
+    if data.x_test is None:
+        train_parts, test_parts = P.split_train_test(train_parts, test_fraction, rng)
+    else:
+        test_parts = P.deal(data.y_test, shares, rng)
+        if partition != "classes":
+            test_parts = P.enforce_min_size(test_parts, 1, rng)
     return _with_validation(data, train_parts, test_parts, val_fraction, rng)
 
 
@@ -401,20 +387,16 @@ def _with_validation(
     return from_parts(data, train_parts, test_parts, x_test, y_test, val, groups)
 
 
-def _natural_groups(data: ArrayDataset) -> np.ndarray:
-    """Each training sample's natural group, or a one-line error when the dataset has none."""
-    if data.groups_train is None:
+def _groups(data: ArrayDataset, split: str = "train") -> np.ndarray:
+    """Each sample's natural group in ``split``, or a one-line error when the dataset has none."""
+    groups = getattr(data, f"groups_{split}")
+    if groups is None:
         raise ConfigError(
-            f"dataset {data.name} has no natural clients; use partition classes, dirichlet or iid"
+            f"dataset {data.name} has no natural clients"
+            + ("" if split == "train" else " for its test split")
+            + "; use partition classes, dirichlet or iid"
         )
-    return data.groups_train
-
-
-def _test_groups(data: ArrayDataset) -> np.ndarray:
-    """Each official test sample's natural group, or a one-line error when the dataset has none."""
-    if data.groups_test is None:
-        raise ConfigError(f"dataset {data.name} has no natural groups for its test split")
-    return data.groups_test
+    return groups
 
 
 def _group_names(data: ArrayDataset, groups: np.ndarray) -> list[str]:
@@ -430,13 +412,13 @@ def _federate_natural(
     val_fraction: float,
     rng: np.random.Generator,
 ) -> FederatedData:
-    selected = P.select_groups(_natural_groups(data), num_clients, rng)
+    selected = P.select_groups(_groups(data), num_clients, rng)
     groups = _group_names(data, selected)
     parts = P.group_parts(data.groups_train, selected)
     if data.x_test is None:
         train_parts, test_parts = P.split_train_test(parts, test_fraction, rng)
     else:
-        train_parts, test_parts = parts, P.group_parts(_test_groups(data), selected)
+        train_parts, test_parts = parts, P.group_parts(_groups(data, "test"), selected)
     return _with_validation(data, train_parts, test_parts, val_fraction, rng, groups)
 
 
@@ -449,7 +431,7 @@ def _federate_natural_dirichlet(
     val_fraction: float,
     rng: np.random.Generator,
 ) -> FederatedData:
-    groups = np.unique(_natural_groups(data))
+    groups = np.unique(_groups(data))
     if num_clients % len(groups):
         raise ConfigError(
             f"natural-dirichlet gives each of the {len(groups)} natural groups of {data.name} "
@@ -465,7 +447,7 @@ def _federate_natural_dirichlet(
         if data.x_test is None:
             parts, tests = P.split_train_test(parts, test_fraction, rng)
         else:
-            test_rows = np.flatnonzero(_test_groups(data) == g)
+            test_rows = np.flatnonzero(_groups(data, "test") == g)
             tests = [test_rows[p] for p in P.deal(data.y_test[test_rows], shares, rng)]
         train_parts += parts
         test_parts += tests

@@ -1,26 +1,11 @@
 """Hugging Face datasets as pflego datasets: ``--dataset hf:...`` (the ``hf`` extra).
 
-``hf:NAME[:CONFIG]`` loads a dataset of the Hub through the ``datasets`` package, with its own
-cache and offline mode (with ``HF_DATASETS_OFFLINE=1`` it never touches the network);
-``hf:FOLDER`` loads a dataset written by ``save_to_disk``, ``hf:FILE.parquet`` a parquet file.
-
-pflego trains classifiers, on images or tables. The label column is ``hf_label`` when set, else
-the one ``ClassLabel`` column, else a column named ``label`` or ``labels``; ClassLabel ids stay as
-they are, other integer labels too (C = the largest + 1), and string labels become the ids of their
-sorted values. The inputs are the ``hf_features`` columns (comma-separated) when set, else the
-first ``Image`` column, else the first array column, else every numeric column (a table). Images
-are 8-bit (uint8, scaled by 1/255 like the built-in image sets), channels first: grayscale images
-get one channel, colour ones three (alpha dropped; grayscale images among colour ones repeated to
-three channels); a uint8 array column is taken as images too (``[H, W]`` or ``[H, W, C]`` with
-C in 1, 3, 4). Every other input is float32, unscaled.
-
-The dataset's ``train`` and ``test`` splits are used as the official split when both exist (a
-test split without labels, as the Hub's benchmarks keep, is left out); otherwise the one split (or
-``train``) is split per client by ``test_fraction``. ``hf_client`` names a column holding each
-sample's natural client (a writer id): the ``natural`` partitions then give one client per value,
-as FEMNIST's writers. ``hf_coarse`` names a second label column whose classes group the labels'
-classes (CIFAR-100's 20 superclasses of its 100 classes), for the ``pachinko`` partition. The
-decoded arrays are cached like every dataset's (``data/cache.py``).
+``hf:NAME[:CONFIG]`` loads a dataset of the Hub through the ``datasets`` package (its cache and
+offline mode), ``hf:FOLDER`` one written by ``save_to_disk``, ``hf:FILE.parquet`` a parquet file.
+How the label, input, client and coarse-label columns are found or named (``hf_label``,
+``hf_features``, ``hf_client``, ``hf_coarse``), how images and tables become arrays and which
+splits are kept: docs/datasets.md, "Hugging Face datasets". The decoded arrays are cached like
+every dataset's (``data/cache.py``).
 """
 
 from __future__ import annotations
@@ -317,16 +302,9 @@ def load_hf(
     hf_client: str | None = None,
     hf_coarse: str | None = None,
 ) -> ArrayDataset:
-    """The classification dataset ``hf:<spec>`` (see the module's docstring).
-
-    Args:
-        spec: A Hub name with an optional ``:CONFIG``, a ``save_to_disk`` folder or a parquet file.
-        root: The data directory (unused: the ``datasets`` package keeps its own cache).
-        seed: Unused (pflego's own split is drawn by the partition).
-        hf_label: The label column (found when ``None``).
-        hf_features: Comma-separated input columns (found when ``None``).
-        hf_client: The column of each sample's natural client, if any.
-        hf_coarse: The column of coarse labels (for the pachinko partition), if any.
+    """The classification dataset ``hf:<spec>`` (see the module's docstring), its columns named
+    by the ``hf_`` settings (found when unset). ``root`` and ``seed`` are unused: the ``datasets``
+    package keeps its own cache, and the partition draws pflego's split.
 
     Raises:
         ConfigError: The ``hf`` extra is missing, or a named column does not exist.
@@ -356,10 +334,7 @@ def load_hf(
     )
     name = "hf-" + re.sub(r"[^\w.-]+", "-", spec).strip("-")[-40:]
     name += "-" + hashlib.sha1(choice.encode()).hexdigest()[:8]
-
-    def decode() -> dict[str, np.ndarray]:
-        return _decode(splits, label, inputs, hf_client, hf_coarse, spec)
-
+    decode = partial(_decode, splits, label, inputs, hf_client, hf_coarse, spec)
     a = cached_arrays(name, DECODER_VERSION, sources, decode) if sources else decode()
     return ArrayDataset(
         f"hf:{spec}",

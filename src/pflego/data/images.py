@@ -1,8 +1,8 @@
-"""Image files read out of an official zip and decoded with Pillow, for the image-folder datasets.
+"""Image files read out of an official zip or its extracted folder and decoded with Pillow.
 
 Omniglot and Office-Home ship as zips (or extracted folders) of one image file per sample; their
-loaders pick the members they need from the zip with :func:`zip_members` and decode each image to
-a fixed size with :func:`decode_image`. Both name the damaged file in a ``DataError``.
+loaders pick the files they need with :func:`image_files` and decode each image to a fixed size
+with :func:`decode_image`. Both name the damaged file in a ``DataError``.
 """
 
 from __future__ import annotations
@@ -19,19 +19,21 @@ from PIL import Image, UnidentifiedImageError
 from pflego.errors import DataError
 
 
-def zip_members(
+def image_files(
     source: Path, keep: Callable[[tuple[str, ...]], bool], official: str
 ) -> list[tuple[tuple[str, ...], str, bytes]]:
-    """``(path parts, where, bytes)`` of every member of the zip ``source`` that ``keep`` accepts.
-
-    Args:
-        source: The zip file.
-        keep: Whether to read a member, given the parts of its path.
-        official: What to replace a damaged zip with, for the error message.
+    """``(path parts, where, bytes)`` of every file that ``keep`` accepts, given the parts of its
+    path: the members of the zip ``source``, or the files of the folder ``source`` (their paths
+    starting at the folder's own name, as in the zip).
 
     Raises:
-        DataError: The zip cannot be read.
+        DataError: The zip cannot be read (``official`` says what to replace it with).
     """
+    if source.is_dir():
+        files = ((p, p.relative_to(source.parent).parts) for p in sorted(source.rglob("*")))
+        return [
+            (parts, str(p), p.read_bytes()) for p, parts in files if keep(parts) and p.is_file()
+        ]
     out = []
     try:
         with zipfile.ZipFile(source) as z:
@@ -47,14 +49,9 @@ def zip_members(
 def decode_image(
     raw: bytes, where: str, mode: str, size: int, resample: Image.Resampling
 ) -> np.ndarray:
-    """One image converted to ``mode`` and resized to ``size`` x ``size`` with ``resample``.
-
-    Returns:
-        uint8 ``[size, size]`` for a one-band mode (``L``), else ``[size, size, bands]``.
-
-    Raises:
-        DataError: ``raw`` is not an image Pillow can decode (``where`` names it).
-    """
+    """One image converted to ``mode`` and resized to ``size`` x ``size`` with ``resample``: uint8
+    ``[size, size]`` for a one-band mode (``L``), else ``[size, size, bands]``; a ``DataError``
+    naming it (``where``) when Pillow cannot decode it."""
     try:
         with Image.open(io.BytesIO(raw)) as img:
             img = img.convert(mode).resize((size, size), resample)

@@ -25,17 +25,16 @@ from pflego.errors import DataError
 SHAKESPEARE_LETTERS = (
     "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
 )
-_LETTER_INDEX = {c: i for i, c in enumerate(SHAKESPEARE_LETTERS)}
+#: Character code -> its index in the vocabulary (every letter is ASCII).
+_LETTER_CODES = np.zeros(128, dtype=np.uint8)
+_LETTER_CODES[[ord(c) for c in SHAKESPEARE_LETTERS]] = np.arange(len(SHAKESPEARE_LETTERS))
 
 
 def leaf_folders(root: Path, name: str) -> tuple[list[Path], list[Path]]:
     """The train and test JSON files of a LEAF dataset (test empty for an ``all_data`` copy)."""
     base = root / name
     for folder in (base, base / "data"):
-        train, test = (
-            sorted((folder / "train").glob("*.json")),
-            sorted((folder / "test").glob("*.json")),
-        )
+        train, test = (sorted((folder / split).glob("*.json")) for split in ("train", "test"))
         if train and test:
             return train, test
     for folder in (base, base / "data"):
@@ -87,9 +86,7 @@ def _decode_split(
     return np.concatenate(xs), np.concatenate(ys), np.concatenate(groups)
 
 
-def load_leaf(
-    root: Path, name: str, encode: Any, num_classes: int, scale: float, version: int = 1
-) -> ArrayDataset:
+def load_leaf(root: Path, name: str, encode: Any, num_classes: int, scale: float) -> ArrayDataset:
     """A LEAF dataset with one natural client per user (writer / role)."""
     train_files, test_files = leaf_folders(root, name)
 
@@ -102,7 +99,7 @@ def load_leaf(
         out["users"] = np.array(list(index))
         return out
 
-    a = cached_arrays(name, version, train_files + test_files, decode)
+    a = cached_arrays(name, 1, train_files + test_files, decode)
     return ArrayDataset(
         name,
         a["x_train"],
@@ -134,7 +131,7 @@ def _encode_femnist(x: list, y: list, path: Path) -> tuple[np.ndarray, np.ndarra
 def _encode_shakespeare(x: list, y: list, path: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         text = "".join(x) + "".join(y)
-        unknown = set(text) - set(_LETTER_INDEX)
+        unknown = set(text) - set(SHAKESPEARE_LETTERS)
         if unknown or any(len(s) != len(x[0]) for s in x) or any(len(c) != 1 for c in y):
             raise ValueError(f"unknown characters {sorted(unknown)!r}" if unknown else "lengths")
     except (TypeError, ValueError) as exc:
@@ -142,12 +139,7 @@ def _encode_shakespeare(x: list, y: list, path: Path) -> tuple[np.ndarray, np.nd
             f"{path}: Shakespeare needs equal-length strings over LEAF's vocabulary and one next "
             f"character each ({exc}); regenerate it"
         ) from None
-    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-    lut = np.zeros(int(codes.max()) + 1, dtype=np.uint8)
-    for c, i in _LETTER_INDEX.items():
-        if ord(c) < len(lut):
-            lut[ord(c)] = i
-    idx = lut[codes]
+    idx = _LETTER_CODES[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)]
     n, width = len(x), len(x[0])
     return idx[: n * width].reshape(n, width), idx[n * width :].astype(np.int64)
 

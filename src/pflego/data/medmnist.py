@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from pflego.data.cache import cached_arrays
-from pflego.data.datasets import dataset_folder, register
+from pflego.data.datasets import check_labels, dataset_folder, register
 from pflego.data.download import ensure_files
 from pflego.data.federated import ArrayDataset
 from pflego.errors import DataError
@@ -51,10 +51,7 @@ def read_medmnist(path: Path) -> dict[str, np.ndarray]:
             )
         xs.append(images.astype(np.uint8))
         ys.append(labels[:, 0].astype(np.int64))
-    y = np.concatenate(ys)
-    if y.min() < 0 or y.max() >= NUM_CLASSES:
-        raise DataError(f"{path}: labels outside 0..{NUM_CLASSES - 1}; replace it")
-    return {"x": np.concatenate(xs), "y": y}
+    return {"x": np.concatenate(xs), "y": check_labels(np.concatenate(ys), NUM_CLASSES, str(path))}
 
 
 @register("organamnist", "cnn", True, "OrganAMNIST (MedMNIST, 11 organs), official organamnist.npz")

@@ -24,7 +24,7 @@ from PIL import Image
 from pflego.data.cache import cached_arrays
 from pflego.data.datasets import register
 from pflego.data.federated import ArrayDataset
-from pflego.data.images import decode_image, zip_members
+from pflego.data.images import decode_image, image_files
 from pflego.errors import DataError
 
 ARCHIVE = "OfficeHomeDataset_10072016"
@@ -62,8 +62,8 @@ def find_source(root: Path) -> Path:
     )
 
 
-def _is_image_member(parts: tuple[str, ...]) -> bool:
-    """Whether a zip member's path is ``<domain>/<class>/<image>`` (outside ``__MACOSX``)."""
+def _is_image(parts: tuple[str, ...]) -> bool:
+    """Whether a file's path is ``<domain>/<class>/<image>`` (outside ``__MACOSX``)."""
     return (
         len(parts) >= 3
         and parts[-1].lower().endswith(SUFFIXES)
@@ -74,18 +74,8 @@ def _is_image_member(parts: tuple[str, ...]) -> bool:
 
 def entries(source: Path) -> list[tuple[str, str, str, bytes]]:
     """``(domain, class, where, image bytes)`` of every image, sorted."""
-    out = []
-    if source.suffix == ".zip":
-        members = zip_members(source, _is_image_member, "the official zip")
-        out = [(domain_name(parts[-3]), parts[-2], where, raw) for parts, where, raw in members]
-    else:
-        for folder in sorted(p for p in source.iterdir() if p.is_dir()):
-            domain = domain_name(folder.name)
-            if domain is None:
-                continue
-            for image in folder.glob("*/*"):
-                if image.suffix.lower() in SUFFIXES:
-                    out.append((domain, image.parent.name, str(image), image.read_bytes()))
+    files = image_files(source, _is_image, "the official zip")
+    out = [(domain_name(parts[-3]), parts[-2], where, raw) for parts, where, raw in files]
     if not out:
         raise DataError(f"{source} holds no <domain>/<class>/<image> files; replace it ({HOME})")
     return sorted(out, key=lambda e: (DOMAINS.index(e[0]), e[1], e[2]))

@@ -21,7 +21,7 @@ from pflego.data.cache import cached_arrays
 from pflego.data.datasets import register
 from pflego.data.download import REMOTES, fetch
 from pflego.data.federated import ArrayDataset
-from pflego.data.images import decode_image, zip_members
+from pflego.data.images import decode_image, image_files
 from pflego.errors import DataError
 
 SETS = ("images_background", "images_evaluation")
@@ -41,14 +41,8 @@ def _is_drawing(parts: tuple[str, ...]) -> bool:
 
 def _entries(source: Path) -> list[tuple[str, str, str, bytes]]:
     """``(alphabet, character, file, png bytes)`` for every drawing of one set."""
-    out = []
-    if source.suffix == ".zip":
-        members = zip_members(source, _is_drawing, "the official Omniglot zip")
-        out = [(parts[1], parts[2], where, raw) for parts, where, raw in members]
-    else:
-        for png in source.glob("*/*/*.png"):
-            rel = png.relative_to(source).parts
-            out.append((rel[0], rel[1], str(png), png.read_bytes()))
+    files = image_files(source, _is_drawing, "the official Omniglot zip")
+    out = [(parts[1], parts[2], where, raw) for parts, where, raw in files]
     if not out:
         raise DataError(
             f"{source} holds no <Alphabet>/<character>/*.png drawings; "

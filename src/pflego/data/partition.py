@@ -77,11 +77,9 @@ def class_shares(
             held, assign_classes(num_clients, num_classes, classes_per_client, rng), 1.0, 1
         )
         return held / held.sum(0, keepdims=True)
-    if kind == "dirichlet":
-        if not alpha > 0:
-            raise ConfigError(f"alpha={alpha} must be positive for the dirichlet partition")
-        return rng.dirichlet(np.full(num_clients, float(alpha)), size=num_classes).T
-    raise ConfigError(f"unknown partition {kind!r}; choose one of {', '.join(PARTITIONS)}")
+    if not alpha > 0:  # dirichlet (federate has refused other partitions)
+        raise ConfigError(f"alpha={alpha} must be positive for the dirichlet partition")
+    return rng.dirichlet(np.full(num_clients, float(alpha)), size=num_classes).T
 
 
 def _largest_remainder(shares: np.ndarray, total: int, rng: np.random.Generator) -> np.ndarray:
@@ -157,16 +155,14 @@ def split_train_test(
 # --- natural groups ------------------------------------------------------------------------------
 
 
-def select_groups(
-    groups: np.ndarray, num_clients: int | None, rng: np.random.Generator
-) -> np.ndarray:
+def select_groups(groups: np.ndarray, num_clients: int, rng: np.random.Generator) -> np.ndarray:
     """The natural groups that become clients, in increasing id order.
 
-    All groups when ``num_clients`` is ``None`` or equals their number; otherwise a uniformly random
-    subset of ``num_clients`` of them (seeded), as FedEM samples FEMNIST writers.
+    All groups when ``num_clients`` equals their number; otherwise a uniformly random subset of
+    ``num_clients`` of them (seeded), as FedEM samples FEMNIST writers.
     """
     present = np.unique(groups)
-    if num_clients is None or num_clients == len(present):
+    if num_clients == len(present):
         return present
     if num_clients > len(present):
         raise ConfigError(
@@ -197,13 +193,12 @@ def split_fraction(
 # --- pachinko allocation (FedEM, CIFAR-100) ------------------------------------------------------
 
 
-def coarse_of_fine(fine: np.ndarray, coarse: np.ndarray, num_fine: int | None = None) -> np.ndarray:
-    """The coarse label of every fine label ``0..num_fine-1`` (-1 for fine labels never seen).
+def coarse_of_fine(fine: np.ndarray, coarse: np.ndarray) -> np.ndarray:
+    """The coarse label of every fine label up to the largest (-1 for fine labels never seen).
 
     Each fine label must belong to exactly one coarse label.
     """
-    num_fine = int(fine.max()) + 1 if num_fine is None else num_fine
-    parent = np.full(num_fine, -1, dtype=np.int64)
+    parent = np.full(int(fine.max()) + 1, -1, dtype=np.int64)
     pairs = np.unique(np.stack([fine, coarse], 1), axis=0)
     if len(np.unique(pairs[:, 0])) != len(pairs):
         raise ConfigError("the pachinko partition needs each fine label inside one coarse label")

@@ -38,9 +38,8 @@ NUM_CLIENTS = 20
 LABELS_PER_CLIENT = 2
 
 
-def client_labels(num_clients: int, labels_per_client: int, num_classes: int = 10) -> np.ndarray:
-    """``[I, L]``: client u holds labels ``(u + j) mod C`` for ``j < L``."""
-    return (np.arange(num_clients)[:, None] + np.arange(labels_per_client)) % num_classes
+#: ``[I, L]``: client u holds labels ``(u + j) mod 10`` for ``j < L``.
+CLIENT_LABELS = (np.arange(NUM_CLIENTS)[:, None] + np.arange(LABELS_PER_CLIENT)) % 10
 
 
 def random_pieces(total: int, pieces: int, rng: np.random.RandomState) -> list[int]:
@@ -53,37 +52,23 @@ def random_pieces(total: int, pieces: int, rng: np.random.RandomState) -> list[i
     return [*counts, total]
 
 
-def client_counts(
-    label_counts: np.ndarray, num_clients: int = NUM_CLIENTS, labels_per_client: int = 2
-) -> np.ndarray:
-    """``[I, L]`` samples each client takes of each of its labels, drawn as the authors do.
-
-    Args:
-        label_counts: Images of each label in the whole dataset.
-        num_clients: I; ``I * L`` must be a multiple of the number of labels, as the authors ask.
-        labels_per_client: L.
-    """
-    num_classes = len(label_counts)
-    labels = client_labels(num_clients, labels_per_client, num_classes)
-    holders = np.bincount(labels.ravel(), minlength=num_classes)
-    if len(set(holders.tolist())) != 1:
-        raise DataError(
-            f"{num_clients} clients x {labels_per_client} labels do not hold every one of "
-            f"{num_classes} labels equally often; use a multiple of {num_classes} requests"
-        )
+def client_counts(label_counts: np.ndarray) -> np.ndarray:
+    """``[I, L]`` samples each client takes of each of its labels, drawn as the authors do from
+    the images of each label in the whole dataset (``label_counts``)."""
+    holders = NUM_CLIENTS * LABELS_PER_CLIENT // len(label_counts)  # clients holding each label
     rng = np.random.RandomState(1)
-    pieces = np.array([random_pieces(int(n), int(holders[0]), rng) for n in label_counts])
-    return pieces.T.ravel().reshape(num_clients, labels_per_client)  # piece-major, in request order
+    pieces = np.array([random_pieces(int(n), holders, rng) for n in label_counts])
+    return pieces.T.ravel().reshape(NUM_CLIENTS, LABELS_PER_CLIENT)  # piece-major, request order
 
 
-def deal(labels_of_samples: np.ndarray, labels: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+def deal(labels_of_samples: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
     """Each client's sample indices: each label's samples in turn, wrapping around when short."""
-    pools = [np.flatnonzero(labels_of_samples == c) for c in range(int(labels.max()) + 1)]
+    pools = [np.flatnonzero(labels_of_samples == c) for c in range(10)]
     used = np.zeros(len(pools), np.int64)
     parts = []
-    for client_labels_, client_counts_ in zip(labels, counts):
+    for client_labels, client_counts_ in zip(CLIENT_LABELS, counts):
         taken = []
-        for label, count in zip(client_labels_, client_counts_):
+        for label, count in zip(client_labels, client_counts_):
             pool = pools[label]
             if count > len(pool):
                 raise DataError(
@@ -113,8 +98,7 @@ def load_mnist_pfedme(root: Path, seed: int = 0) -> ArrayDataset:
     std = x.std(0)
     x -= x.mean(0)
     x /= std + 0.001
-    labels = client_labels(NUM_CLIENTS, LABELS_PER_CLIENT)
-    parts = deal(y, labels, client_counts(np.bincount(y, minlength=10)))
+    parts = deal(y, client_counts(np.bincount(y, minlength=10)))
     rows = np.concatenate(parts)
     return ArrayDataset(
         "mnist-pfedme",

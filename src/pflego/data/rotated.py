@@ -2,24 +2,16 @@
 
 The rotated-MNIST benchmark of domain generalization (Ghifary, Kleijn, Zhang, Balduzzi, "Domain
 Generalization for Object Recognition with Multi-task Autoencoders", ICCV 2015; DomainBed's
-``RotatedMNIST``, Gulrajani and Lopez-Paz, ICLR 2021; the FedSR paper's federation): the images are
-cut into D disjoint domains of equal size, and domain d's images are rotated counter-clockwise by
-``angles[d]`` degrees, 0, 15, 30, 45, 60 and 75 by default. ``rotated:BASE`` rotates the registered
-image dataset BASE (``rotated:mnist``, ``rotated:fmnist``, ``rotated:mnist5k`` offline);
-``rotated:BASE@0,30,60`` names other angles.
+``RotatedMNIST``, Gulrajani and Lopez-Paz, ICLR 2021; the FedSR paper's federation): each split is
+cut into D domains of equal size by a fixed draw (whatever the run's seed, like the images of a
+dataset on disk), and domain d's images are rotated counter-clockwise by ``angles[d]`` degrees
+(0, 15, ..., 75 unless ``rotated:BASE@0,30,60`` names others). Each sample's domain is its natural
+group (``0deg``, ``15deg``, ...); docs/datasets.md shows the partitions this gives.
 
-Each sample's domain is its natural group (named ``0deg``, ``15deg``, ...), so ``partition:
-natural`` with ``clients: 6`` gives one client per domain, and ``partition: natural-dirichlet``
-``clients / D`` clients per domain with Dirichlet(``alpha``) label shares inside each. The
-domains are drawn once, whatever the run's seed (a fixed permutation of each split, dealt in
-turn), like the images of a dataset on disk; an official test split is cut into domains the same
-way, so each domain is tested on its own rotated test images.
-
-The rotation is bilinear about the image centre (the centre of pixel ``((H-1)/2, (W-1)/2)``) with
-zeros outside the image, computed with ``torch.nn.functional.grid_sample`` (no torchvision);
-8-bit images are rounded back to 8 bits, as an image library's rotation returns them.
-DomainBed pools MNIST's training and test images before cutting domains; here a pooled copy is
-``pool_test: true``.
+The rotation is bilinear about the image centre with zeros outside, computed with
+``torch.nn.functional.grid_sample`` (no torchvision); 8-bit images are rounded back to 8 bits, as
+an image library's rotation returns them. DomainBed pools MNIST's training and test images before
+cutting domains; here a pooled copy is ``pool_test: true``.
 """
 
 from __future__ import annotations

@@ -27,11 +27,6 @@ log = logging.getLogger("pflego.data")
 EMNIST_SPLITS = {"byclass": 62, "balanced": 47, "letters": 26, "digits": 10}
 
 
-def _emnist_member(split: str, part: str, kind: str) -> str:
-    dims = "idx3" if kind == "images" else "idx1"
-    return f"gzip/emnist-{split}-{part}-{kind}-{dims}-ubyte.gz"
-
-
 def _emnist_read(source: Path, member: str) -> np.ndarray:
     """One IDX array from the archive (or from the extracted ``gzip/`` folder)."""
     where = f"{source}:{member}" if source.suffix == ".zip" else str(source / member)
@@ -72,7 +67,8 @@ def load_emnist(root: Path, split: str) -> ArrayDataset:
     def decode() -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         for part in ("train", "test"):
-            images, labels = (_emnist_member(split, part, kind) for kind in ("images", "labels"))
+            images = f"gzip/emnist-{split}-{part}-images-idx3-ubyte.gz"
+            labels = f"gzip/emnist-{split}-{part}-labels-idx1-ubyte.gz"
             x, y = _emnist_read(source, images), _emnist_read(source, labels).astype(np.int64)
             if x.ndim != 3 or x.shape[1:] != (28, 28):
                 raise DataError(
@@ -171,21 +167,21 @@ def read_cifar_batch(raw: bytes, where: str, label_keys: tuple[str, ...]) -> dic
     return out
 
 
-def _cifar_sources(root: Path, folder_name: str, key: str) -> tuple[Path, bool]:
-    """The extracted folder (``True``) or the official tarball (``False``), downloading if needed."""
+def _cifar_source(root: Path, folder_name: str, key: str) -> Path:
+    """The extracted folder or the official tarball, downloading it if needed."""
     for base in (root, root / key):
         if (base / folder_name).is_dir():
-            return base / folder_name, True
+            return base / folder_name
     tarball = REMOTES[key][0].filename
     for base in (root, root / key):
         if (base / tarball).is_file():
-            return download.verify_local(key, base / tarball), False
-    return ensure_files(key, root)[0], False
+            return download.verify_local(key, base / tarball)
+    return ensure_files(key, root)[0]
 
 
-def _cifar_members(source: Path, is_folder: bool, folder_name: str) -> dict[str, bytes]:
+def _cifar_members(source: Path, folder_name: str) -> dict[str, bytes]:
     """The raw bytes of every batch file, by file name."""
-    if is_folder:
+    if source.is_dir():
         return {p.name: p.read_bytes() for p in sorted(source.iterdir()) if p.is_file()}
     try:
         with tarfile.open(source, "r:gz") as tar:
@@ -208,10 +204,10 @@ def _load_cifar(
     test_name: str,
     label_keys: tuple[str, ...],
 ) -> dict[str, np.ndarray]:
-    source, is_folder = _cifar_sources(root, folder_name, key)
+    source = _cifar_source(root, folder_name, key)
 
     def decode() -> dict[str, np.ndarray]:
-        members = _cifar_members(source, is_folder, folder_name)
+        members = _cifar_members(source, folder_name)
         names = train_names or sorted(n for n in members if n.startswith("data_batch_"))
         present = [n for n in names if n in members]
         if not present or test_name not in members:

@@ -108,16 +108,10 @@ def init_head(
     kind: str = "linear",
     dtype: torch.dtype = torch.float32,
 ) -> Params:
-    """A head's parameters.
-
-    Args:
-        out_dim: Number of outputs (C for a shared head, K_max for a personal one).
-        feature_dim: M.
-        generator: Seeded generator, so every backend draws the same head.
-        kind: ``linear`` (PyTorch's ``nn.Linear`` default, U(-1/sqrt(M), 1/sqrt(M))),
-            ``uniform`` (U(0, 1), as the PFLEGO reference code), or ``zeros``.
-        dtype: Parameter dtype.
-    """
+    """A head of ``out_dim`` outputs (C for a shared head, K_max for a personal one) over M =
+    ``feature_dim`` features, drawn from the seeded ``generator`` (every backend draws the same):
+    ``linear`` (PyTorch's ``nn.Linear`` default, U(-1/sqrt(M), 1/sqrt(M))), ``uniform`` (U(0, 1),
+    as the PFLEGO reference code), or ``zeros``."""
     shape_w, shape_b = (out_dim, feature_dim), (out_dim,)
     if kind == "zeros":
         return {
