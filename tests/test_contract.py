@@ -153,3 +153,15 @@ def test_a_model_with_an_empty_body_still_runs(name):
     record = sim.evaluate(1)
     key = "test_acc_before_adapt" if sim.algorithm.adapts else "test_acc"
     assert record[key] == pytest.approx(reference_test_accuracy(sim, 1), abs=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_states_are_in_the_runs_dtype_with_an_empty_body(name):
+    """A model without body parameters (``linear``, the synthetic datasets' default) leaves the
+    downlink of a method with a personal head empty: its clients' states still come in the run's
+    dtype (float64 here), and a round and an evaluation run."""
+    sim = Simulation(tiny_experiment(algorithm=name, model="linear"), None)
+    sim.run_round(0)
+    assert np.isfinite(sim.evaluate(1)["test_loss"])
+    for k, v in sim.store.tensors.items():
+        assert v.dtype == torch.float64 or not v.is_floating_point(), k

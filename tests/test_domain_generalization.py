@@ -30,6 +30,7 @@ from test_classic import (
 )
 from test_fast_sim import ragged_experiment
 
+from pflego.algorithms.floco import pca
 from pflego.rng import counter_normal, counter_uniform, first_visit_generator
 from pflego.sim import Simulation
 
@@ -302,6 +303,20 @@ def placement(signals: np.ndarray) -> np.ndarray:
         if energy < lowest:
             best, lowest = beta, energy
     return best
+
+
+def test_floco_pca_fixes_each_axis_sign_by_its_largest_entry():
+    """The placement is deterministic because PCA's signs are fixed, as scikit-learn's PCA (since
+    1.5) fixes them: each principal axis has its largest entry (in magnitude) positive, whatever
+    signs the SVD returned."""
+    rows = torch.randn(5, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    kappa = pca(rows, 4)
+    centred = rows - rows.mean(0)  # of rank 4
+    for k in range(4):
+        axis = centred.T @ kappa[:, k] / kappa[:, k].square().sum()  # kappa_k = centred @ axis
+        torch.testing.assert_close(centred @ axis, kappa[:, k])
+        torch.testing.assert_close(axis.norm(), torch.tensor(1.0, dtype=torch.float64))
+        assert axis[axis.abs().argmax()] > 0, k
 
 
 def test_floco_trains_simplex_subregions_placed_by_the_clients_updates():

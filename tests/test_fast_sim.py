@@ -16,7 +16,7 @@ from pflego.config import load_config
 from pflego.data import ArrayDataset, register
 from pflego.errors import ConfigError
 from pflego.rng import seed_for
-from pflego.sim import Simulation, build_experiment, metrics, rounds
+from pflego.sim import Simulation, build_experiment, metrics, rounds, split_unseen
 from pflego.sim.backends import (
     FusedBackend,
     VmapBackend,
@@ -42,7 +42,8 @@ def load_ragged(root: Path, seed: int = 0) -> ArrayDataset:
 
 
 def ragged_experiment(algorithm: str, **overrides):
-    """A float64 experiment whose clients differ in size and label set."""
+    """A float64 experiment whose clients differ in size and label set (``unseen_fraction`` holds
+    some of them out, as ``build_experiment`` does)."""
     from pflego.data.federated import from_parts
 
     settings = {
@@ -67,10 +68,24 @@ def ragged_experiment(algorithm: str, **overrides):
         test.append(pool[start + size : start + size + 4])
         val.append(pool[start + size + 4 : start + size + 4 + val_size])
         start += size + 4 + val_size
-    exp.data = from_parts(raw, train, test, raw.x_train, raw.y_train, val)
+    data = from_parts(raw, train, test, raw.x_train, raw.y_train, val)
+    exp.data, exp.unseen = split_unseen(data, exp.config.unseen_fraction, exp.config.seed)
     model = exp.algorithm.model
     model.max_local_classes = exp.data.max_classes
     return exp
+
+
+@pytest.mark.parametrize("name", ["fedper", "fedrecon", "fedrep", "local", "pflego"])
+def test_ragged_unseen_clients_are_held_out_of_the_ragged_clients(name: str) -> None:
+    """``unseen_fraction`` holds out some of the ragged clients themselves: their personal heads
+    have the trained clients' width K_max, and they join and are evaluated."""
+    exp = ragged_experiment(name, unseen_fraction=0.34)
+    assert (exp.data.num_clients, exp.unseen.num_clients) == (4, 2)
+    assert exp.unseen.max_classes == exp.data.max_classes == exp.algorithm.model.max_local_classes
+    sim = Simulation(exp, None)
+    sim.run_round(0)
+    record = sim.evaluate(1)
+    assert np.isfinite(record["unseen_train_loss"]) and 0 <= record["unseen_test_acc"] <= 1
 
 
 SETTINGS = {

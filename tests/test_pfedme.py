@@ -180,12 +180,13 @@ def test_global_and_personal_models_are_both_evaluated_and_join_is_the_personal_
     assert_trees_close({k: joined[k] for k in w}, theta, atol=1e-12)
     assert not all(torch.allclose(theta[k], w[k]) for k in w)
     assert float(joined["personalized"]) == 1.0
-    # a client that never trained is evaluated with the current global model
+    # a client that never trained is evaluated with the current global model (its PM's logits
+    # come from the vmapped models, the GM's from one pooled pass: equal up to rounding)
     _, rows = sim_rows(sim)
     visited = sim.store.visited.numpy()
     assert 0 < visited.sum() < len(visited)
     for row, trained in zip(rows, visited):
-        assert (row["test_loss"] == row["test_loss_global"]) != trained
+        assert (row["test_loss"] == pytest.approx(row["test_loss_global"], rel=1e-14)) != trained
 
 
 def test_bad_pfedme_options_are_config_errors():

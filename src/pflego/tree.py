@@ -113,6 +113,11 @@ def to(tree: Mapping[str, Tensor], device: torch.device | str) -> Params:
     return {k: v.to(device) for k, v in tree.items()}
 
 
+def cast(tree: Mapping[str, Tensor], dtype: torch.dtype) -> Params:
+    """Every floating-point leaf in ``dtype`` (integer and boolean leaves unchanged)."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in tree.items()}
+
+
 def all_finite(*trees: Mapping[str, Tensor]) -> bool:
     """Whether every leaf of every dict is free of NaN and infinities."""
     return all(bool(torch.isfinite(v).all()) for t in trees for v in t.values())

@@ -176,12 +176,12 @@ class PFedMe(Algorithm):
             data.num_samples if self.weights == "samples" else torch.ones_like(data.num_samples)
         )
         out = ClientOut(tree.sub(downlink, local), weight, {"loss": loss.detach()})
-        return out, {**theta, PERSONALIZED: torch.ones((), device=data.x.device)}
+        return out, {**theta, PERSONALIZED: data.num_samples.new_ones(())}
 
     def join(self, downlink, state, data: ClientData, ctx: RoundContext):
         """A new client's personal model: the proximal solve around the received w."""
         theta, _, _ = self.solve(dict(downlink), downlink, self.iterations(data))
-        return {**theta, PERSONALIZED: torch.ones((), device=data.x.device)}
+        return {**theta, PERSONALIZED: data.num_samples.new_ones(())}
 
     def predict_global(self, downlink, state, x):
         """The global model w ("GM")."""

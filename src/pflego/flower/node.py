@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
+from pflego import tree
 from pflego.algorithms import Algorithm
 from pflego.config import Config, load_config
 from pflego.data import FederatedData
@@ -77,9 +78,10 @@ class ClientNode:
         return getattr(torch, self.config.dtype)
 
     def first_visit_state(self, downlink: Params, ctx: RoundContext) -> ClientState:
-        """The state the simulator gives this client at its first visit (seeded by its id)."""
+        """The state the simulator gives this client at its first visit (seeded by its id, in
+        the run's dtype)."""
         generator = first_visit_generator(self.config.seed, self.client)
-        return self.algorithm.init_client(downlink, generator, ctx)
+        return tree.cast(self.algorithm.init_client(downlink, generator, ctx), self.dtype)
 
     @property
     def run_schedule(self) -> Schedule:

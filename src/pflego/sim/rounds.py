@@ -59,7 +59,9 @@ class Simulation(Evaluation):
         self.device = torch.device(self.cfg.device)
         self.algorithm = experiment.algorithm
         params = self.algorithm.init_params(self.cfg.seed, experiment.dtype)
-        self.server: ServerState = self.algorithm.init_server(tree.to(params, self.device))
+        server = self.algorithm.init_server(tree.to(params, self.device))
+        # in the run's dtype, which empty parameters (a model without body ones) do not carry
+        self.server: ServerState = {k: tree.cast(v, experiment.dtype) for k, v in server.items()}
         if experiment.public is not None:  # the public inputs the algorithm declared
             public = experiment.public.to(self.device, experiment.dtype)
             self.server = {**self.server, "public": {"x": public}}
@@ -168,9 +170,11 @@ class Simulation(Evaluation):
         return self.algorithm.send(self.server, ctx, torch.as_tensor(clients), evaluation).payload
 
     def init_state(self, client: int, downlink, ctx: RoundContext) -> ClientState:
-        """A client's first-visit state (seeded by the client id, so every backend agrees)."""
+        """A client's first-visit state (seeded by the client id, so every backend agrees), in
+        the run's dtype (which an empty downlink, of a model without body parameters, lacks)."""
         generator = first_visit_generator(self.cfg.seed, client)
-        return self.algorithm.init_client(tree.to(downlink, "cpu"), generator, ctx)
+        state = self.algorithm.init_client(tree.to(downlink, "cpu"), generator, ctx)
+        return tree.cast(state, self.exp.dtype)
 
     def client_state(self, client: int, downlink, ctx: RoundContext) -> ClientState:
         """A client's stored state, or its first-visit state (seeded by the client id)."""
