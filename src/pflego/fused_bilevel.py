@@ -117,7 +117,11 @@ def _run(
         )
     targets = feed.target[[position[s.row] for s in steps]]
     values = -(torch.stack(log_probs) * targets).sum((1, 2))
-    points = [unflatten(plan, flat, v) for flat, v in zip(flats, views, strict=True)]
+    written = {s.into for s in steps} | {m[0] for s in steps for m in s.mixes + s.after}
+    points = [
+        unflatten(plan, flats[p], views[p]) if p in written else dict(point)
+        for p, point in enumerate(points)
+    ]
     return points, values, norms
 
 

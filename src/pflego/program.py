@@ -73,10 +73,10 @@ class Step:
 
 
 class Outcome(NamedTuple):
-    """A program's result: the points after its steps (new tensors) and, per step ``[S]``, the
-    loss at its point ``at`` on its minibatch before its update, whether it ran (1 or 0) and, for
-    the steps with ``record``, the squared norm it recorded (0 for the others and where a step
-    did not run)."""
+    """A program's result: the points after its steps (new tensors where a step wrote them)
+    and, per step ``[S]``, the loss at its point ``at`` on its minibatch before its update,
+    whether it ran (1 or 0) and, for the steps with ``record``, the squared norm it recorded (0
+    for the others and where a step did not run)."""
 
     points: list[Params]
     values: Tensor
