@@ -12,7 +12,7 @@ from torch.func import vmap
 
 from pflego.algorithms.pfedme import PFedMe
 from pflego.fused import fused_sgd_steps
-from pflego.local import fused_steps, train_steps, train_steps_summing_iterates
+from pflego.local import fused_steps, train_steps
 from pflego.loss import CrossEntropy, Linear, Objective
 from pflego.loss import Proximal as ProximalTerm
 from pflego.models import SplitModel, apply_layers, build_model, channels_last, init_head
@@ -166,28 +166,6 @@ def test_sample_weights_weigh_each_samples_cross_entropy():
     torch.testing.assert_close(loss.on_samples(idx)(params, x[idx], y[idx], mask), expected)
 
 
-@pytest.mark.parametrize("name", ["mlp", "conv"])
-def test_iterate_sums_fused_equal_a_step_by_step_sum(name):
-    model, params, x, y = setting(name)
-    data = client(x, y, 4, 2.0)
-    gen = torch.Generator().manual_seed(2)
-    other = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
-    loss = Objective(model, data.label_mask, terms=(CrossEntropy(), Linear(other)))
-    expected = {k: torch.zeros_like(v) for k, v in params.items()}
-    current = params
-    for s in range(len(data.batches)):  # one step at a time, summing where each real step starts
-        if data.batch_mask[s].sum() > 0:
-            expected = {k: v + current[k] for k, v in expected.items()}
-        current, _, _ = train_steps(loss, current, data, SGD(), {}, 0.3, slice(s, s + 1))
-    for fused in (False, True):
-        with fused_steps(fused) as counts:
-            trained, _, _, sums = train_steps_summing_iterates(loss, params, data, SGD(), {}, 0.3)
-        assert counts.fused == int(fused)
-        for k in params:
-            torch.testing.assert_close(trained[k], current[k], atol=1e-10, rtol=1e-9)
-            torch.testing.assert_close(sums[k], expected[k], atol=1e-10, rtol=1e-9)
-
-
 def test_a_slice_of_the_steps_and_no_steps():
     model, params, x, y = setting("mlp")
     data = client(x, y, 4, 1.0)
@@ -309,25 +287,32 @@ def test_pfedme_rounds_fused_equal_autograd_and_fuses_says_so(name):
     )
 
 
-def test_a_moving_anchor_continues_across_calls_from_its_state():
-    """``Proximal(every=3)``: two slices of the schedule carry the anchor and its step count in
-    the state, fused or not, and end where one pass over all steps ends."""
-    model, params, x, y = setting("conv")
-    data = client(x, y, 4, 3.0)
-    solver = Proximal(SGD(), 0.7, {k: v * 0.5 for k, v in params.items()}, every=3, follow=0.2)
-    loss = Objective(model, data.label_mask)
-    whole, state, _ = train_steps(loss, params, data, solver, solver.init(params), 0.3)
-    for fused in (False, True):
-        with fused_steps(fused) as counts:
-            half, split = train_steps(
-                loss, params, data, solver, solver.init(params), 0.3, slice(0, 3)
-            )[:2]
-            half, split, _ = train_steps(loss, half, data, solver, split, 0.3, slice(3, None))
-        assert counts.fused == 2 * int(fused)
-        for k in params:
-            torch.testing.assert_close(half[k], whole[k], atol=1e-10, rtol=1e-9)
-            anchor = solver.current_anchor(split)[k]
-            torch.testing.assert_close(
-                anchor, solver.current_anchor(state)[k], atol=1e-10, rtol=1e-9
-            )
-            assert not torch.equal(anchor, solver.anchor[k])  # it moved
+@pytest.mark.parametrize("name", ["pfedme", "pgfed"])
+def test_another_optimizer_steps_as_the_sgd_program_does(name):
+    """pFedMe's and PGFed's steps with momentum 0 (their own autograd steps, anchor moves and
+    iterate sums) end where plain SGD's step programs end, fused or not."""
+    from pflego import tree
+    from pflego.algorithms.pgfed import PGFed
+
+    model, params, x, y = setting("mlp")
+    data = client(x, y, 4, 2.0)
+    ctx = RoundContext(0, 1, 1.0, 13, 0.2, 1.0)
+    if name == "pfedme":
+        algorithm = PFedMe(model=model, lam=3.0, K=3, personal_lr=0.05)
+        downlink = params
+    else:
+        algorithm = PGFed(model=model)
+        downlink = {**params, **tree.add_prefix("aux.", tree.scale(params, 0.1))}
+    outs = {}
+    for optimizer in (SGD(0.01), Momentum(0.0, 0.01)):
+        moved = dataclasses.replace(algorithm, client_optimizer=optimizer)
+        state = moved.init_client(downlink, None, ctx)
+        for fused in (False, True):
+            with fused_steps(fused):
+                outs[type(optimizer), fused] = moved.client_update(downlink, state, data, ctx)
+    reference = outs[SGD, False]
+    for out, new_state in outs.values():
+        for got, expected in ((out.upload, reference[0].upload), (new_state, reference[1])):
+            for k in expected:
+                torch.testing.assert_close(got[k], expected[k], atol=1e-10, rtol=1e-9, msg=k)
+        torch.testing.assert_close(out.metrics["loss"], reference[0].metrics["loss"])

@@ -35,7 +35,7 @@ from torch.nn import functional as F
 from pflego.fused_passes import backward_pass, compiled, forward_pass
 from pflego.loss import FusedForm, Objective
 from pflego.models import Layer, channels_last
-from pflego.optim import ANCHOR, SGD, STEPS, Optimizer, OptState, Proximal
+from pflego.optim import SGD, Optimizer, Proximal
 from pflego.tree import Params
 from pflego.types import ClientData
 
@@ -65,24 +65,18 @@ def fused_sgd_steps(
     optimizer: Optimizer,
     lr: float | Tensor,
     steps: slice = slice(None),
-    sum_iterates: bool = False,
-    opt_state: OptState | None = None,
-) -> tuple[Params, OptState, Tensor, Params | None] | None:
+) -> tuple[Params, Tensor] | None:
     """``train_steps`` for plain SGD on an :class:`~pflego.loss.Objective`, or ``None`` when it
     does not apply.
 
     SGD inside a :class:`~pflego.optim.Proximal` optimizer is SGD on the loss with that proximal
-    (and linear) term, whose value is left out of the logged loss; its anchor (from
-    ``opt_state`` when it moves) may move after every ``every`` real steps, in the kernel.
+    (and linear) term, whose value is left out of the logged loss.
 
     Returns:
-        The trained parameters (new tensors), the optimizer state, the mean loss over the real
-        steps and, with ``sum_iterates``, the sum of the parameters each real step started from
-        (else ``None``).
+        The trained parameters (new tensors) and the mean loss over the real steps.
     """
-    opt_state = {} if opt_state is None else opt_state
     prox = optimizer if type(optimizer) is Proximal else None
-    form = kernel_form(loss, prox, opt_state)
+    form = kernel_form(loss, prox)
     sgd = optimizer if prox is None else prox.inner
     if form is None or type(sgd) is not SGD:
         return None
@@ -92,20 +86,10 @@ def fused_sgd_steps(
         return None
     if not all_plain([v for t in regularizers for v in t.values()]):
         return None
-    moving = None
-    if prox is not None and prox.every > 0:
-        moving = Moving(prox.every, float(prox.follow), int(opt_state[STEPS]))
-    trained, mean_loss, iterates, moved = _run(
-        plan, loss, form, params, data, sgd.weight_decay, float(lr), steps, sum_iterates,
-        prox is None, moving,
-    )  # fmt: skip
-    if moved is not None:
-        opt_state = opt_state | {f"{ANCHOR}{k}": v for k, v in moved[0].items()}
-        opt_state[STEPS] = opt_state[STEPS] + moved[1]
-    return trained, opt_state, mean_loss, iterates
+    return _run(plan, loss, form, params, data, sgd.weight_decay, float(lr), steps, prox is None)
 
 
-def kernel_form(loss: object, prox: Proximal | None, opt_state: OptState) -> FusedForm | None:
+def kernel_form(loss: object, prox: Proximal | None) -> FusedForm | None:
     """What the kernel runs: the fused forms of ``loss``'s terms and, for SGD inside a
     :class:`~pflego.optim.Proximal` optimizer, the optimizer's proximal and linear terms (for a
     loss without its own), or ``None`` where a term has no fused form."""
@@ -116,17 +100,7 @@ def kernel_form(loss: object, prox: Proximal | None, opt_state: OptState) -> Fus
         return form
     if form.anchor is not None or form.linear is not None:
         return None
-    anchor = prox.current_anchor(opt_state)
-    return form._replace(anchor=anchor, strength=prox.lam, linear=prox.linear)
-
-
-class Moving(NamedTuple):
-    """A proximal anchor that moves in the kernel: after every ``every``-th real step
-    (``done`` real steps were taken before), ``anchor <- anchor - follow (anchor - params)``."""
-
-    every: int
-    follow: float
-    done: int
+    return form._replace(anchor=prox.anchor, strength=prox.lam, linear=prox.linear)
 
 
 def plain_plan(
@@ -191,27 +165,20 @@ def _run(
     weight_decay: float,
     lr: float,
     steps: slice,
-    sum_iterates: bool,
     log_proximal: bool,
-    moving: Moving | None,
-) -> tuple[Params, Tensor, Params | None, tuple[Params, int] | None]:
-    """The steps: the trained parameters, the mean loss over the real steps, the sum of the
-    points the steps started from (with ``sum_iterates``) and, with a ``moving`` anchor, the
-    moved anchor and the number of real steps."""
+) -> tuple[Params, Tensor]:
+    """The steps: the trained parameters and the mean loss over the real steps."""
     batches, batch_mask = data.batches[steps], data.batch_mask[steps]
     real = torch.nonzero(batch_mask.sum(1) > 0).flatten()  # empty steps change nothing
     if len(real) == 0:
-        zeros = {k: torch.zeros_like(v) for k, v in params.items()}
-        unmoved = None if moving is None else ({k: v.clone() for k, v in form.anchor.items()}, 0)
-        clones = {k: v.clone() for k, v in params.items()}
-        return clones, torch.zeros(()), zeros if sum_iterates else None, unmoved
+        return {k: v.clone() for k, v in params.items()}, torch.zeros(())
     feed = step_inputs(plan, loss, form, data, batches[real], batch_mask[real])
     # The trained parameters, in the kernel's layout, are views of one flat vector, so that the
     # regularizers cost one operation per step however many tensors the model has.
     order = [k for layer in plan for k in layer_keys(layer, params)]
     flat, views = flat_views(plan, order, params)
     held = {k: _kernel_layout(plan, k, v).contiguous() for k, v in loss.fixed.items()}
-    pulls = _pulls(plan, order, form, flat, lr, moving, len(real), log_proximal, sum_iterates)
+    pulls = _pulls(plan, order, form, flat, lr, log_proximal)
     strength = float(form.strength) if form.anchor is not None else 0.0
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
         log_probs, distances, dots, alignments = compiled(_steps)(
@@ -219,8 +186,6 @@ def _run(
             *layer_arguments(plan, {**held, **views}, set(views)),
             flat,
             *pulls,
-            follow=0.0 if moving is None else moving.follow,
-            pull_scale=lr * strength,
             **kernel_feed(feed, loss.label_mask),
             centroid_targets=list(feed.centroid_targets.unbind(0)),
             centroid_rows=list(feed.centroid_rows.unbind(0)),
@@ -237,9 +202,7 @@ def _run(
         values = values - torch.stack(dots)
     if alignments:
         values = values + torch.stack(alignments) / 2  # each the sum of 2 w_s ||gap_s||^2
-    iterates = unflatten(plan, pulls.iterates, views) if sum_iterates else None
-    moved = None if moving is None else (unflatten(plan, pulls.moving, views), len(real))
-    return unflatten(plan, flat, views), values.sum() / len(values), iterates, moved
+    return unflatten(plan, flat, views), values.sum() / len(values)
 
 
 class Pulls(NamedTuple):
@@ -248,9 +211,6 @@ class Pulls(NamedTuple):
     anchor: Tensor
     linear: Tensor
     pull: Tensor
-    moving: Tensor
-    moves: list[bool]
-    iterates: Tensor
 
 
 def _pulls(
@@ -259,15 +219,11 @@ def _pulls(
     form: FusedForm,
     flat: Tensor,
     lr: float,
-    moving: Moving | None,
-    real: int,
     log_proximal: bool,
-    sum_iterates: bool,
 ) -> Pulls:
     """The regularizers laid out like ``flat``: the anchor (for the logged distance), the
-    linear term's coefficients (for the logged dot product and a moving pull), the pull
-    ``lr (strength anchor + linear)`` each step adds, the moving anchor and after which of the
-    ``real`` steps it moves, and the iterate sum's buffer."""
+    linear term's coefficients (for the logged dot product) and the pull ``lr (strength anchor
+    + linear)`` each step adds."""
     empty = flat.new_empty(0)
 
     def flattened(table: Params | None) -> Tensor:
@@ -281,16 +237,10 @@ def _pulls(
     pull = anchor * (lr * strength) if anchor.numel() else empty
     if linear.numel():
         pull = linear * lr if not pull.numel() else pull.add_(linear, alpha=lr)
-    moves = (
-        [] if moving is None else [(moving.done + j + 1) % moving.every == 0 for j in range(real)]
-    )
     return Pulls(
         anchor if log_proximal else empty,  # only the logged distance reads it
-        linear if log_proximal or moving is not None else empty,  # the logged dot, a moving pull
+        linear if log_proximal else empty,  # only the logged dot product reads it
         pull,
-        empty if moving is None else anchor.clone(),
-        moves,
-        torch.zeros_like(flat) if sum_iterates else empty,
     )
 
 
@@ -437,11 +387,6 @@ def _steps(
     anchor: Tensor,
     linear: Tensor,
     pull: Tensor,
-    moving: Tensor,
-    moves: list[bool],
-    iterates: Tensor,
-    follow: float,
-    pull_scale: float,
     inputs: list[Tensor],
     negative_target: list[Tensor],
     weight_rows: list[Tensor],
@@ -465,10 +410,7 @@ def _steps(
     tensors are views of ``flat``; ``anchor`` and ``linear`` (empty when absent) are the
     regularizers' coefficients laid out like it, and ``pull`` is ``lr (strength anchor +
     linear)``, added to ``flat`` at every step after the gradient steps, which shrink the
-    parameters by ``shrink`` (weight decay and the proximal term); ``iterates``, unless empty,
-    sums the parameters each step starts from. After the steps where ``moves`` says so, the
-    anchor ``moving`` moves by ``moving <- moving + follow (flat - moving)`` and ``pull`` follows
-    it (``pull_scale = lr strength``). Per step: its input, ``-onehot(y)^T * mask / n``,
+    parameters by ``shrink`` (weight decay and the proximal term). Per step: its input, ``-onehot(y)^T * mask / n``,
     ``mask / n`` and, for the alignment term (empty without one), its rows' centroids ``c``
     ``[B, M]`` and ``2 w = 2 centroid_weights[y] mask / n`` ``[B, 1]``: the term adds
     ``2 w (a - c)`` to the gradient in the head's input ``a``. The head computes transposed
@@ -484,8 +426,6 @@ def _steps(
     dots: list[Tensor] = []
     alignments: list[Tensor] = []
     for s in range(len(inputs)):
-        if iterates.numel() > 0:
-            iterates.add_(flat)
         if anchor.numel() > 0:  # into a buffer kept across steps: no allocation per step
             difference = torch.sub(flat, anchor, out=scratch)
             distances.append(torch.dot(difference, difference))
@@ -508,9 +448,4 @@ def _steps(
         )  # fmt: skip
         if pull.numel() > 0:
             flat.add_(pull)
-        if len(moves) > 0 and moves[s]:  # the anchor moves toward the parameters
-            moving.lerp_(flat, follow)
-            torch.mul(moving, pull_scale, out=pull)
-            if linear.numel() > 0:
-                pull.add_(linear, alpha=lr)
     return log_probs, distances, dots, alignments

@@ -4,7 +4,7 @@ update another, without autograd.
 A plain SGD step takes the gradient where it updates. APFL's step takes two gradients on the same
 minibatch, at the global copy w (updating w) and at the mixture ``alpha v + (1 - alpha) w``
 (updating v); Per-FedAvg's meta-step takes a gradient at w, steps to w', and updates w with the
-gradient at w'. :func:`fused_program` runs such a program's :class:`~pflego.program.Step` on
+gradient at w'; pFedMe's and PGFed's steps add closed-form terms and sums of points. :func:`fused_program` runs such a program's :class:`~pflego.program.Step` on
 several points held as flat vectors, with the forward and backward passes of
 :mod:`pflego.fused_passes` (the update folded into the weight-gradient GEMM, no autograd, no
 graph), all in one TorchScript call, so a client's steps cost no Python per step. The steps whose
@@ -34,7 +34,7 @@ from pflego.fused import (
 from pflego.fused_passes import backward_pass, compiled, forward_pass
 from pflego.loss import CrossEntropy, FusedForm, Objective
 from pflego.models import Layer
-from pflego.program import Outcome, Step, active_steps
+from pflego.program import Mix, Outcome, Step, active_steps
 from pflego.tree import Params
 from pflego.types import ClientData
 
@@ -81,7 +81,7 @@ def program_plan(
     plan = plain_plan(loss, FORM, dict(points[0]), data)
     if plan is None or any(set(p) != set(points[0]) for p in points):
         return None
-    weights = [w for s in steps for w in (s.lr, s.shrink, *(m[3] for m in s.mixes))]
+    weights = [w for s in steps for w in (s.lr, s.shrink, *(m[-1] for m in s.mixes + s.after))]
     tensors = [w for w in weights if isinstance(w, Tensor)]
     if not all_plain([v for p in points for v in p.values()] + tensors):
         return None
@@ -117,17 +117,30 @@ def _run(
         )
     targets = feed.target[[position[s.row] for s in steps]]
     values = -(torch.stack(log_probs) * targets).sum((1, 2))
-    points = [unflatten(plan, flat, v) for flat, v in zip(flats, views, strict=True)]
+    written = {s.into for s in steps} | {m[0] for s in steps for m in s.mixes + s.after}
+    points = [
+        unflatten(plan, flats[p], views[p]) if p in written else dict(point)
+        for p, point in enumerate(points)
+    ]
     return points, values, norms
 
 
 def step_arguments(steps: Sequence[Step], position: dict[int, int]) -> list[list]:
-    """The kernel's per-step arguments (see :func:`_program`): the mixes' destinations,
-    starts, ends and weights, then each step's ``at``, ``into``, step size, shrinkage, row of
-    the gathered minibatches and ``record``."""
-    mixes = [[(m[0], m[1], m[2], float(m[3])) for m in s.mixes] for s in steps]
+    """The kernel's per-step arguments (see :func:`_program`): the mixes before and after the
+    update (``[dst, start, end]`` each, ``end`` -1 for a sum, and weights), then each step's
+    ``at``, ``into``, step size, shrinkage, row of the gathered minibatches and ``record``."""
+
+    def encoded(mixes: tuple[Mix, ...]) -> tuple[list[list[int]], list[float]]:
+        ends = [m[:3] if len(m) == 4 else (m[0], m[1], -1) for m in mixes]
+        return [list(e) for e in ends], [float(m[-1]) for m in mixes]
+
+    before, after = zip(*(encoded(s.mixes) for s in steps), strict=True)
+    later, later_weights = zip(*(encoded(s.after) for s in steps), strict=True)
     return [
-        *([[m[j] for m in step] for step in mixes] for j in range(4)),
+        list(before),
+        list(after),
+        list(later),
+        list(later_weights),
         [s.at for s in steps],
         [s.into for s in steps],
         [float(s.lr) for s in steps],
@@ -144,10 +157,10 @@ def _program(
     biases: list[list[Tensor]],
     flags: list[list[bool]],
     flats: list[Tensor],
-    mix_dst: list[list[int]],
-    mix_start: list[list[int]],
-    mix_end: list[list[int]],
-    mix_weight: list[list[float]],
+    mixes: list[list[list[int]]],
+    mix_weights: list[list[float]],
+    after: list[list[list[int]]],
+    after_weights: list[list[float]],
     at: list[int],
     into: list[int],
     lrs: list[float],
@@ -164,21 +177,17 @@ def _program(
     lowest: int,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """The substeps (TorchScript-compatible). Point ``p``'s layers are ``weights[p]`` /
-    ``biases[p]``, its trained tensors views of ``flats[p]``; substep ``j`` mixes the points,
-    then runs :func:`~pflego.fused_passes.forward_pass` at point ``at[j]`` on minibatch
-    ``feed[j]`` and :func:`~pflego.fused_passes.backward_pass` into point ``into[j]``. Returns
+    ``biases[p]``, its trained tensors views of ``flats[p]``; substep ``j`` mixes the points
+    (:func:`_mix`), runs :func:`~pflego.fused_passes.forward_pass` at point ``at[j]`` on
+    minibatch ``feed[j]`` and :func:`~pflego.fused_passes.backward_pass` into point ``into[j]``,
+    then mixes the points again. Returns
     each substep's log-probabilities ``[K, B]`` and, for the substeps with ``record``, the
     squared norm of point ``into[j]`` after the update."""
     log_probs: list[Tensor] = []
     norms: list[Tensor] = []
     no_feature_grad = ones[:0]
     for j in range(len(at)):
-        for m in range(len(mix_dst[j])):
-            dst, start, weight = flats[mix_dst[j][m]], flats[mix_start[j][m]], mix_weight[j][m]
-            if weight == 0.0:
-                dst.copy_(start)
-            else:
-                torch.lerp(start, flats[mix_end[j][m]], weight, out=dst)
+        _mix(flats, mixes[j], mix_weights[j])
         r, p, q = feed[j], at[j], into[j]
         a_, log_p, grad_t, saved, indices, shapes = forward_pass(
             True, kinds, settings, weights[p], biases[p], flags, inputs[r], negative_target[r],
@@ -190,6 +199,22 @@ def _program(
             indices, shapes, a_, grad_t, no_feature_grad, ones,
             lrs[j], shrinks[j], lowest,
         )  # fmt: skip
+        _mix(flats, after[j], after_weights[j])
         if record[j]:
             norms.append(torch.dot(flats[q], flats[q]))
     return log_probs, norms
+
+
+def _mix(flats: list[Tensor], mixes: list[list[int]], weights: list[float]) -> None:
+    """The mixes ``[dst, start, end]`` (``end`` -1: ``dst += weight start``) with their
+    ``weights`` on the flat points, in place (TorchScript-compatible)."""
+    for m in range(len(mixes)):
+        dst, start, end = flats[mixes[m][0]], flats[mixes[m][1]], mixes[m][2]
+        if end < 0:
+            dst.add_(start, alpha=weights[m])
+        elif weights[m] == 0.0:
+            dst.copy_(start)
+        elif mixes[m][0] == mixes[m][1]:
+            dst.lerp_(flats[end], weights[m])
+        else:
+            torch.lerp(start, flats[end], weights[m], out=dst)

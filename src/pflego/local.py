@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value
 
-from pflego import tree
 from pflego.fused import fused_sgd_steps
 from pflego.fused_bilevel import fused_program
 from pflego.loss import Objective
@@ -116,60 +115,22 @@ def train_steps(
     Returns:
         Trained parameters, optimizer state, and the mean loss over the real steps.
     """
-    params, opt_state, mean_loss, _ = _train(
-        loss_fn, params, data, optimizer, opt_state, lr, steps, False
-    )
-    return params, opt_state, mean_loss
-
-
-def train_steps_summing_iterates(
-    loss_fn: LossFn,
-    params: Params,
-    data: ClientData,
-    optimizer: Optimizer,
-    opt_state: OptState,
-    lr: float | Tensor,
-    steps: slice = slice(None),
-) -> tuple[Params, OptState, Tensor, Params]:
-    """:func:`train_steps` that also returns the sum of the points where each real step took its
-    gradient (PGFed's ``sum_s theta_i^(s)``), accumulated inside the steps, fused or not."""
-    return _train(loss_fn, params, data, optimizer, opt_state, lr, steps, True)
-
-
-def _train(
-    loss_fn: LossFn,
-    params: Params,
-    data: ClientData,
-    optimizer: Optimizer,
-    opt_state: OptState,
-    lr: float | Tensor,
-    steps: slice,
-    sum_iterates: bool,
-) -> tuple[Params, OptState, Tensor, Params | None]:
-    fused = fused_or_none(
-        lambda: fused_sgd_steps(
-            loss_fn, params, data, optimizer, lr, steps, sum_iterates, opt_state
-        )
-    )
+    fused = fused_or_none(lambda: fused_sgd_steps(loss_fn, params, data, optimizer, lr, steps))
     if fused is not None:
-        return fused
+        return fused[0], opt_state, fused[1]
     step_and_loss = grad_and_value(loss_fn)
     # A schedule as wide as the local set is full batch: its rows are arange(n) wherever the mask
     # is 1, so the whole (padded) set is used as is instead of being gathered every step.
     whole_set = data.batches.shape[-1] == data.x.shape[0]
     per_sample = isinstance(loss_fn, Objective) and loss_fn.per_sample
     total, count = torch.zeros(()), torch.zeros(())
-    iterates = {k: torch.zeros_like(v) for k, v in params.items()} if sum_iterates else None
     for idx, bmask in zip(data.batches[steps], data.batch_mask[steps]):
         x, y = (data.x, data.y) if whole_set else (data.x[idx], data.y[idx])
         if per_sample and not whole_set:  # the batch's own sample weights
             step_and_loss = grad_and_value(loss_fn.on_samples(idx))
         active = bmask.sum() > 0
-        if iterates is not None:
-            real = active.to(bmask.dtype)
-            iterates = tree.axpy(real, params, iterates)
         grads, loss = step_and_loss(params, x, y, bmask)
         params, opt_state = optimizer.masked_update(params, grads, opt_state, lr, active)
         total = total + torch.where(active, loss.detach(), 0.0)
         count = count + active.to(count.dtype)
-    return params, opt_state, total / count.clamp(min=1), iterates
+    return params, opt_state, total / count.clamp(min=1)

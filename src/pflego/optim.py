@@ -98,35 +98,22 @@ class Proximal(Optimizer):
     gradient in closed form, and a linear term's (FedDyn's ``-<linear, params>``; ``None``: none),
     added to the loss's (one fused op per leaf instead of differentiating them).
 
-    The loss, and so the loss that training logs, leaves the terms out (pFedMe's ``f_i``). With
-    ``every > 0`` the anchor is state and moves after every ``every`` real steps,
-    ``anchor <- anchor - follow (anchor - params)`` (pFedMe's local model after its K personal
-    steps on a minibatch). Around plain :class:`SGD` on a declared loss, the steps run fused
-    (:mod:`pflego.fused`).
+    The loss, and so the loss that training logs, leaves the terms out. Around plain
+    :class:`SGD` on a declared loss, the steps run fused (:mod:`pflego.fused`).
     """
 
     inner: Optimizer
     lam: float
     anchor: Params
-    every: int = 0
-    follow: float = 0.0
     linear: Params | None = None
 
     def init(self, params: Params) -> OptState:
-        state = self.inner.init(params)
-        if self.every > 0:
-            state = state | {f"{ANCHOR}{k}": v for k, v in self.anchor.items()}
-            state[STEPS] = _step_counter(params)
-        return state
+        return self.inner.init(params)
 
-    def current_anchor(self, state: OptState) -> Params:
-        """The anchor the next step is pulled to."""
-        if self.every <= 0:
-            return self.anchor
-        return {k: state[f"{ANCHOR}{k}"] for k in self.anchor}
-
-    def with_prox(self, params: Params, grads: Params, anchor: Params) -> Params:
-        pulled = {k: torch.add(g, params[k] - anchor[k], alpha=self.lam) for k, g in grads.items()}
+    def with_prox(self, params: Params, grads: Params) -> Params:
+        pulled = {
+            k: torch.add(g, params[k] - self.anchor[k], alpha=self.lam) for k, g in grads.items()
+        }
         if self.linear is None:
             return pulled
         return {k: g - self.linear[k] for k, g in pulled.items()}
@@ -135,25 +122,7 @@ class Proximal(Optimizer):
         return self.masked_update(params, grads, state, lr, torch.ones((), dtype=torch.bool))
 
     def masked_update(self, params, grads, state, lr, active):
-        anchor = self.current_anchor(state)
-        inner_state = {k: v for k, v in state.items() if not k.startswith(PROXIMAL)}
-        params, inner_state = self.inner.masked_update(
-            params, self.with_prox(params, grads, anchor), inner_state, lr, active
-        )
-        if self.every <= 0:
-            return params, inner_state
-        steps = state[STEPS] + active.to(state[STEPS].dtype)
-        move = active & (torch.remainder(steps, self.every) == 0)
-        # one pass per leaf on every step (under vmap, no branch): a zero weight where none moves
-        weight = move.to(steps.dtype) * self.follow
-        moved = {
-            f"{ANCHOR}{k}": torch.lerp(v, params[k], weight.to(v.dtype)) for k, v in anchor.items()
-        }
-        return params, inner_state | moved | {STEPS: steps}
-
-
-PROXIMAL = "proximal."  # the prefix of Proximal's own state
-ANCHOR, STEPS = f"{PROXIMAL}anchor.", f"{PROXIMAL}steps"
+        return self.inner.masked_update(params, self.with_prox(params, grads), state, lr, active)
 
 
 @dataclass(frozen=True)

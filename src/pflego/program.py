@@ -3,17 +3,21 @@
 Some methods' local step is more than one gradient step on one point: APFL steps the global copy w
 at w and its own model v at the mixture ``w + alpha (v - w)``; Per-FedAvg's meta-step steps a
 copy w' of w and then w with the gradient at w'; FedAS records the squared norm of each batch's
-gradient. Such a step is written once, as a sequence of :class:`Step` on a few *points* (parameter
-dicts keyed alike), and run by an interpreter: :func:`autograd_program` here (the reference,
-``torch.func`` gradients, vmappable) or the fused CPU kernel
-(:func:`pflego.fused_bilevel.fused_program`); :func:`pflego.local.run_program` picks one.
+gradient; pFedMe's personal steps pull theta toward an anchor that itself moves after every K of
+them; PGFed sums the points its steps start from. Such a step is written once, as a sequence of
+:class:`Step` on a few *points* (parameter dicts keyed alike), and run by an interpreter:
+:func:`autograd_program` here (the reference, ``torch.func`` gradients, vmappable) or the fused
+CPU kernel (:func:`pflego.fused_bilevel.fused_program`); :func:`pflego.local.run_program` picks
+one.
 
-A step first applies its ``mixes`` (``point[dst] <- point[start] + weight (point[end] -
-point[start])``: mixtures of points, and copies with weight 0), then takes the loss's gradient
-``g`` at point ``at`` on the minibatch of schedule row ``row`` and updates point ``into`` by
-``into <- shrink into - lr g``. The schedule is the client's whole one (static shapes, no host
-synchronization in the reference): a step whose row, or one of its ``gate`` rows, is empty changes
-nothing (its mixes included).
+A step first applies its ``mixes``, then takes the loss's gradient ``g`` at point ``at`` on the
+minibatch of schedule row ``row`` and updates point ``into`` by ``into <- shrink into - lr g``,
+then applies its ``after`` mixes. A mix is ``(dst, start, end, weight)``, ``point[dst] <-
+point[start] + weight (point[end] - point[start])`` (mixtures of points, and copies with weight
+0), or ``(dst, src, weight)``, ``point[dst] <- point[dst] + weight point[src]`` (sums, and
+closed-form pulls such as a proximal term's ``lr lam anchor``). The schedule is the client's whole
+one (static shapes, no host synchronization in the reference): a step whose row, or one of its
+``gate`` rows, is empty changes nothing (its mixes included).
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ from pflego.types import ClientData
 Weight = float | Tensor
 
 #: ``(dst, start, end, weight)``: ``point[dst] <- point[start] + weight (point[end] -
-#: point[start])`` (weight 0: a copy of ``point[start]``).
-Mix = tuple[int, int, int, Weight]
+#: point[start])`` (weight 0: a copy of ``point[start]``); or ``(dst, src, weight)``:
+#: ``point[dst] <- point[dst] + weight point[src]``.
+Mix = tuple[int, int, int, Weight] | tuple[int, int, Weight]
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class Step:
         record: Whether to record ``||into||^2`` after the update (with ``shrink`` 0 and ``lr``
             -1, the squared norm of the gradient: FedAS's Fisher trace).
         gate: Other rows that must hold samples for the step to run (a meta-step's group).
+        after: What happens to the points after the update.
     """
 
     at: int
@@ -63,13 +69,14 @@ class Step:
     mixes: tuple[Mix, ...] = ()
     record: bool = False
     gate: tuple[int, ...] = ()
+    after: tuple[Mix, ...] = ()
 
 
 class Outcome(NamedTuple):
-    """A program's result: the points after its steps (new tensors) and, per step ``[S]``, the
-    loss at its point ``at`` on its minibatch before its update, whether it ran (1 or 0) and, for
-    the steps with ``record``, the squared norm it recorded (0 for the others and where a step
-    did not run)."""
+    """A program's result: the points after its steps (new tensors where a step wrote them)
+    and, per step ``[S]``, the loss at its point ``at`` on its minibatch before its update,
+    whether it ran (1 or 0) and, for the steps with ``record``, the squared norm it recorded (0
+    for the others and where a step did not run)."""
 
     points: list[Params]
     values: Tensor
@@ -107,6 +114,17 @@ def mixed(start: Params, end: Params, weight: Weight) -> Params:
     return {k: torch.lerp(v, end[k], weight) for k, v in start.items()}
 
 
+def apply_mixes(points: list[Params], mixes: Sequence[Mix], on: Tensor) -> None:
+    """``mixes`` on ``points`` in place where ``on`` holds (see :data:`Mix`)."""
+    for mix in mixes:
+        dst, *rest = mix
+        if len(rest) == 3:
+            new = mixed(points[rest[0]], points[rest[1]], rest[2])
+        else:
+            new = {k: v + rest[1] * points[rest[0]][k] for k, v in points[dst].items()}
+        points[dst] = tree.where(on, new, points[dst])
+
+
 def autograd_program(
     loss: Callable[[Params, Tensor, Tensor, Tensor], Tensor],
     points: Sequence[Params],
@@ -120,14 +138,14 @@ def autograd_program(
     whole_set = data.batches.shape[-1] == data.x.shape[0]  # a row of every sample, as is
     values, norms = [], []
     for step, on in zip(steps, runs, strict=True):
-        for dst, start, end, weight in step.mixes:
-            points[dst] = tree.where(on, mixed(points[start], points[end], weight), points[dst])
+        apply_mixes(points, step.mixes, on)
         idx, mask = data.batches[step.row], data.batch_mask[step.row]
         x, y = (data.x, data.y) if whole_set else (data.x[idx], data.y[idx])
         g, value = grad_and_value(loss)(points[step.at], x, y, mask)
         old = points[step.into]
         new = {k: step.shrink * v - step.lr * g[k] for k, v in old.items()}
         points[step.into] = tree.where(on, new, old)
+        apply_mixes(points, step.after, on)
         values.append(torch.where(on, value.detach(), 0.0))
         norm = tree.sq_norm(points[step.into]) if step.record else torch.zeros_like(value)
         norms.append(torch.where(on, norm.detach(), 0.0))

@@ -64,8 +64,9 @@ from torch import Tensor
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.fields import at_least, one_of, positive, setting
-from pflego.local import train_steps
-from pflego.optim import Proximal
+from pflego.local import run_program, train_steps
+from pflego.optim import SGD, Proximal
+from pflego.program import Step, Weight, mixed
 from pflego.rng import seed_for
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext
@@ -116,48 +117,67 @@ class PFedMe(Algorithm):
         return self.model.forward(tree.where(state[PERSONALIZED] > 0, theta, downlink), x)
 
     def minibatches(self, data: ClientData) -> list[ClientData]:
-        """Each local iteration's minibatch D, gathered once, as K full-batch steps on it."""
-        rows, width = data.batches.shape
-        whole_set = width == data.x.shape[0]  # a full-batch schedule: D is the whole local set
-        xs = None if whole_set else data.x[data.batches]
-        ys = None if whole_set else data.y[data.batches]
-        every = torch.arange(width, device=data.batches.device).expand(self.K, width)
+        """Each local iteration's minibatch D as a schedule of its own."""
+        rows = range(data.batches.shape[0])
         return [
-            data._replace(
-                x=data.x if whole_set else xs[r],
-                y=data.y if whole_set else ys[r],
-                mask=data.batch_mask[r],
-                batches=every,
-                batch_mask=data.batch_mask[r].expand(self.K, width),
-            )
-            for r in range(rows)
+            data._replace(batches=data.batches[r, None], batch_mask=data.batch_mask[r, None])
+            for r in rows
         ]
 
-    def iterations(self, data: ClientData) -> ClientData:
-        """The R local iterations as one schedule: each minibatch D's row repeated K times."""
-        return data._replace(
+    def solve(
+        self, theta: Params, anchor: Params, data: ClientData, follow: Weight | None = None
+    ) -> tuple[Params, Params, Tensor]:
+        """K steps on ``f_i(theta; D) + lam/2 ||theta - anchor||^2`` on each minibatch D of
+        ``data``'s schedule; with ``follow``, the anchor moves ``anchor <- anchor - follow
+        (anchor - theta)`` after each D's K steps (line 8 of Algorithm 1). Empty rows change
+        nothing.
+
+        Returns theta, the anchor and the mean of ``f_i(theta; D)`` over the real steps. The
+        Moreau term's gradient is added in closed form, not differentiated, so the logged loss is
+        ``f_i``. With plain SGD the steps are one step program (on a declared loss, fused in one
+        call); with another optimizer, :meth:`optimizer_solve`.
+        """
+        loss = self.model_objective(data.label_mask)
+        if type(self.client_optimizer) is not SGD:
+            return self.optimizer_solve(loss, theta, anchor, data, follow)
+        lr = self.personal_lr
+        shrink = 1 - lr * (self.lam + self.client_optimizer.weight_decay)
+        pull = (0, 1, lr * self.lam)  # theta <- shrink theta - lr grad f_i + lr lam anchor
+        last = () if follow is None else ((1, 1, 0, follow),)  # anchor <- lerp(anchor, theta)
+        steps = [
+            Step(0, 0, lr, shrink, r, after=(pull, *(last if k == self.K - 1 else ())))
+            for r in range(data.batches.shape[0])
+            for k in range(self.K)
+        ]
+        outcome = run_program(loss, [theta, anchor], data, steps)
+        return *outcome.points, outcome.mean_value()
+
+    def optimizer_solve(
+        self, loss, theta: Params, anchor: Params, data: ClientData, follow: Weight | None
+    ) -> tuple[Params, Params, Tensor]:
+        """:meth:`solve` with the client optimizer's steps (momentum, Adam), the proximal
+        term's gradient added by :class:`~pflego.optim.Proximal`, one minibatch D at a time."""
+        rows = data.batches.shape[0]
+        steps = data._replace(
             batches=data.batches.repeat_interleave(self.K, 0),
             batch_mask=data.batch_mask.repeat_interleave(self.K, 0),
         )
-
-    def solve(
-        self, theta: Params, anchor: Params, data: ClientData, follow: float | None = None
-    ) -> tuple[Params, Params, Tensor]:
-        """Steps on ``f_i(theta; D) + lam/2 ||theta - anchor||^2`` along ``data``'s schedule;
-        with ``follow``, the anchor moves ``anchor <- anchor - follow (anchor - theta)`` after
-        every K real steps (line 8 of Algorithm 1). Empty steps change nothing.
-
-        Returns theta, the anchor and the mean of ``f_i(theta; D)`` over the real steps. The
-        Moreau term is the optimizer's (:class:`~pflego.optim.Proximal`), not the loss's, so the
-        logged loss is ``f_i``; on a declared loss, plain SGD's steps run fused, all in one call.
-        """
-        loss = self.model_objective(data.label_mask)
-        every = 0 if follow is None else self.K
-        solver = Proximal(self.client_optimizer, self.lam, anchor, every, follow or 0.0)
-        theta, state, mean_loss = train_steps(
-            loss, theta, data, solver, solver.init(theta), self.personal_lr
+        groups = (
+            [slice(None)]
+            if follow is None
+            else [slice(r * self.K, (r + 1) * self.K) for r in range(rows)]
         )
-        return theta, solver.current_anchor(state), mean_loss
+        state, total, count = self.client_optimizer.init(theta), 0.0, 0.0
+        for group in groups:
+            solver = Proximal(self.client_optimizer, self.lam, anchor)
+            theta, state, mean = train_steps(
+                loss, theta, steps, solver, state, self.personal_lr, group
+            )
+            real = (steps.batch_mask[group].sum(-1) > 0).sum()
+            total, count = total + mean * real, count + real
+            if follow is not None:
+                anchor = tree.where(real > 0, mixed(anchor, theta, follow), anchor)
+        return theta, anchor, total / count.clamp(min=1)
 
     def personal_solve(
         self, theta: Params, anchor: Params, batch: ClientData
@@ -169,9 +189,7 @@ class PFedMe(Algorithm):
 
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
         follow = ctx.client_lr * self.lam  # w_i <- w_i - eta lam (w_i - theta) after K steps
-        theta, local, loss = self.solve(
-            dict(downlink), dict(downlink), self.iterations(data), follow
-        )
+        theta, local, loss = self.solve(dict(downlink), dict(downlink), data, follow)
         weight = (
             data.num_samples if self.weights == "samples" else torch.ones_like(data.num_samples)
         )
@@ -180,7 +198,7 @@ class PFedMe(Algorithm):
 
     def join(self, downlink, state, data: ClientData, ctx: RoundContext):
         """A new client's personal model: the proximal solve around the received w."""
-        theta, _, _ = self.solve(dict(downlink), downlink, self.iterations(data))
+        theta, _, _ = self.solve(dict(downlink), downlink, data)
         return {**theta, PERSONALIZED: data.num_samples.new_ones(())}
 
     def predict_global(self, downlink, state, x):
