@@ -16,7 +16,7 @@ from pflego.config import load_config
 from pflego.data import ArrayDataset, register
 from pflego.errors import ConfigError
 from pflego.rng import seed_for
-from pflego.sim import Simulation, build_experiment, metrics, rounds, split_unseen
+from pflego.sim import Simulation, build_experiment, metrics, rounds
 from pflego.sim.backends import (
     FusedBackend,
     VmapBackend,
@@ -24,6 +24,7 @@ from pflego.sim.backends import (
     make_backend,
     resolve_backend,
 )
+from pflego.sim.build import split_unseen
 from pflego.sim.clients import ClientPool, ClientStore, client_data, schedule, take
 from pflego.sim.metrics import evaluate, evaluate_pools
 
