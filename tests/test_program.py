@@ -12,7 +12,7 @@ from torch.func import vmap
 from pflego.fused_bilevel import fused_program
 from pflego.local import fused_steps, run_program, train_steps
 from pflego.loss import Alignment, Batch, CrossEntropy, FusedForm, Linear, Objective, Proximal, Term
-from pflego.optim import SGD
+from pflego.optim import SGD, Momentum
 from pflego.program import Step, autograd_program
 from pflego.types import ClientData
 
@@ -221,33 +221,42 @@ def test_a_program_of_no_steps_changes_nothing():
 
 @pytest.mark.parametrize("name", ["mlp", "conv"])
 def test_sums_and_mixes_after_the_update_run_fused_as_by_autograd_and_by_hand(name):
-    """A sum of the points the steps start from (before each update), a closed-form pull
-    toward a second point and a move of that point toward the first (after every second
-    update): both interpreters as a step-by-step loop, empty rows changing nothing."""
+    """A sum of the points the steps start from (before each update), a proximal pull toward a
+    second point added to the gradient, and a move of that point toward the first (after every
+    second update), with SGD (weight decay) and momentum: both interpreters as a step-by-step
+    loop, empty rows changing nothing; the kernel runs SGD only."""
     model, params, x, y = setting(name)
     data = client(x, y, 4, 2.0)
     loss = Objective(model, data.label_mask)
     anchor = {k: v * 0.5 for k, v in params.items()}
-    rows = data.batches.shape[0]
+    rows, lam, lr, decay = data.batches.shape[0], 0.4, 0.3, 0.1
     steps = [
-        Step(0, 0, 0.3, 0.9, r, ((2, 0, 1.0),), after=((0, 1, 0.05), *[(1, 1, 0, 0.2)] * (r % 2)))
+        Step(0, 0, lr, 1.0, r, ((2, 0, 1.0),), pulls=((0, lam), (1, -lam)),
+             after=((1, 1, 0, 0.2),) * (r % 2))
         for r in range(rows)
-    ]
-    theta, moved, total = dict(params), dict(anchor), {k: v * 0 for k, v in params.items()}
-    for r in range(rows):
-        if data.batch_mask[r].sum() == 0:
-            continue
-        total = {k: v + theta[k] for k, v in total.items()}
-        g = torch.func.grad(loss)(theta, x[data.batches[r]], y[data.batches[r]], data.batch_mask[r])
-        theta = {k: 0.9 * v - 0.3 * g[k] + 0.05 * moved[k] for k, v in theta.items()}
-        if r % 2:
-            moved = {k: v + 0.2 * (theta[k] - v) for k, v in moved.items()}
-    start = [params, anchor, {k: v * 0 for k, v in params.items()}]
-    for fused in (False, True):
-        with fused_steps(fused) as counts:
-            out = run_program(loss, start, data, steps)
-        assert counts.fused == int(fused)
-        for got, expected in zip(out.points, (theta, moved, total), strict=True):
-            for k in expected:
-                torch.testing.assert_close(got[k], expected[k], atol=1e-10, rtol=1e-10, msg=k)
+    ]  # fmt: skip
+    for optimizer in (SGD(decay), Momentum(0.9, decay)):
+        theta, moved, total = dict(params), dict(anchor), {k: v * 0 for k, v in params.items()}
+        buffer = None
+        for r in range(rows):
+            if data.batch_mask[r].sum() == 0:
+                continue
+            total = {k: v + theta[k] for k, v in total.items()}
+            idx = data.batches[r]
+            g = torch.func.grad(loss)(theta, x[idx], y[idx], data.batch_mask[r])
+            g = {k: v + (lam + decay) * theta[k] - lam * moved[k] for k, v in g.items()}
+            if isinstance(optimizer, Momentum):
+                buffer = g if buffer is None else {k: 0.9 * v + g[k] for k, v in buffer.items()}
+                g = buffer
+            theta = {k: v - lr * g[k] for k, v in theta.items()}
+            if r % 2:
+                moved = {k: v + 0.2 * (theta[k] - v) for k, v in moved.items()}
+        start = [params, anchor, {k: v * 0 for k, v in params.items()}]
+        for fused in (False, True):
+            with fused_steps(fused) as counts:
+                out = run_program(loss, start, data, steps, optimizer)
+            assert counts.fused == int(fused and isinstance(optimizer, SGD))
+            for got, expected in zip(out.points, (theta, moved, total), strict=True):
+                for k in expected:
+                    torch.testing.assert_close(got[k], expected[k], atol=1e-10, rtol=1e-10)
     assert not torch.equal(moved["head.weight"], anchor["head.weight"])

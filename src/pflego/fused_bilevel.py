@@ -4,8 +4,9 @@ update another, without autograd.
 A plain SGD step takes the gradient where it updates. APFL's step takes two gradients on the same
 minibatch, at the global copy w (updating w) and at the mixture ``alpha v + (1 - alpha) w``
 (updating v); Per-FedAvg's meta-step takes a gradient at w, steps to w', and updates w with the
-gradient at w'; pFedMe's and PGFed's steps add closed-form terms and sums of points. :func:`fused_program` runs such a program's :class:`~pflego.program.Step` on
-several points held as flat vectors, with the forward and backward passes of
+gradient at w'; pFedMe's and PGFed's steps add closed-form terms and sums of points.
+:func:`fused_program` runs such a program's :class:`~pflego.program.Step` (for plain SGD, with or
+without weight decay) on several points held as flat vectors, with the forward and backward passes of
 :mod:`pflego.fused_passes` (the update folded into the weight-gradient GEMM, no autograd, no
 graph), all in one TorchScript call, so a client's steps cost no Python per step. The steps whose
 rows are empty are left out before the call. The loss must be an
@@ -16,6 +17,7 @@ the caller runs the program with autograd.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -34,6 +36,7 @@ from pflego.fused import (
 from pflego.fused_passes import backward_pass, compiled, forward_pass
 from pflego.loss import CrossEntropy, FusedForm, Objective
 from pflego.models import Layer
+from pflego.optim import SGD, Optimizer, OptState
 from pflego.program import Mix, Outcome, Step, active_steps
 from pflego.tree import Params
 from pflego.types import ClientData
@@ -42,15 +45,23 @@ FORM = FusedForm(cross_entropy=True)
 
 
 def fused_program(
-    loss: object, points: Sequence[Params], data: ClientData, steps: Sequence[Step]
+    loss: object,
+    points: Sequence[Params],
+    data: ClientData,
+    steps: Sequence[Step],
+    optimizer: Optimizer | None = None,
+    opt_state: OptState | None = None,
 ) -> Outcome | None:
     """The steps on the points, or ``None`` when they do not fuse.
 
     Every point is keyed like the first, every key a trained parameter of ``loss``'s model.
+    ``optimizer`` (``None``: the steps' own ``shrink``) must be plain :class:`~pflego.optim.SGD`,
+    whose state ``opt_state`` is empty.
 
     Returns:
         An :class:`~pflego.program.Outcome`.
     """
+    steps = sgd_steps(steps, optimizer)
     plan = program_plan(loss, points, data, steps)
     if plan is None:
         return None
@@ -60,23 +71,46 @@ def fused_program(
     norms = values.clone()
     if not kept:
         points = [{k: v.clone() for k, v in p.items()} for p in points]
-        return Outcome(points, values, values.new_tensor(runs), norms)
+        return Outcome(points, values, values.new_tensor(runs), norms, {})
     points, kept_values, recorded = _run(plan, loss, points, data, kept)
     where = [j for j, on in enumerate(runs) if on]
     values[where] = kept_values.to(values.dtype)
     recording = [j for j, s in zip(where, kept, strict=True) if s.record]
     if recording:
         norms[recording] = torch.stack(recorded).to(norms.dtype)
-    return Outcome(points, values, values.new_tensor(runs), norms)
+    return Outcome(points, values, values.new_tensor(runs), norms, {})
+
+
+def sgd_steps(steps: Sequence[Step], optimizer: Optimizer | None) -> list[Step] | None:
+    """The steps as plain SGD runs them in the kernel: the optimizer's weight decay and a pull on
+    the updated point itself folded into ``shrink``, the other pulls added after the update
+    (they read points the update leaves alone); ``None`` for another optimizer."""
+    if optimizer is not None and type(optimizer) is not SGD:
+        return None
+    decay = 0.0 if optimizer is None else optimizer.weight_decay
+    return [
+        replace(
+            s,
+            shrink=s.shrink - s.lr * (decay + sum(c for k, c in s.pulls if k == s.into)),
+            after=tuple((s.into, k, -s.lr * c) for k, c in s.pulls if k != s.into) + s.after,
+            pulls=(),
+        )
+        for s in steps
+    ]
 
 
 def program_plan(
-    loss: object, points: Sequence[Params], data: ClientData, steps: Sequence[Step]
+    loss: object, points: Sequence[Params], data: ClientData, steps: Sequence[Step] | None
 ) -> tuple[Layer, ...] | None:
-    """The layers the kernel runs the program on, or ``None`` where it does not fuse: another
-    loss than the plain cross-entropy, other layers, points keyed unlike the first, or tensors
+    """The layers the kernel runs the program on, or ``None`` where it does not fuse: no
+    steps (another optimizer than SGD), another loss than the plain cross-entropy, other layers, points keyed unlike the first, or tensors
     tracked by autograd or wrapped by a ``torch.func`` transform."""
-    if not isinstance(loss, Objective) or loss.terms != (CrossEntropy(),) or not steps:
+    if (
+        steps is None
+        or not isinstance(loss, Objective)
+        or loss.terms != (CrossEntropy(),)
+        or not steps
+    ):
         return None
     plan = plain_plan(loss, FORM, dict(points[0]), data)
     if plan is None or any(set(p) != set(points[0]) for p in points):

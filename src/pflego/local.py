@@ -79,13 +79,21 @@ def unfused() -> None:
 
 
 def run_program(
-    loss_fn: LossFn, points: Sequence[Params], data: ClientData, steps: Sequence[Step]
+    loss_fn: LossFn,
+    points: Sequence[Params],
+    data: ClientData,
+    steps: Sequence[Step],
+    optimizer: Optimizer | None = None,
+    opt_state: OptState | None = None,
 ) -> Outcome:
-    """A step program (:mod:`pflego.program`) on ``points``: inside :func:`fused_steps`, by the
-    fused kernel where it applies (:func:`~pflego.fused_bilevel.fused_program`), else by
+    """A step program (:mod:`pflego.program`) on ``points`` (with ``optimizer``'s updates from
+    ``opt_state``, see :func:`~pflego.program.autograd_program`): inside :func:`fused_steps`, by
+    the fused kernel where it applies (:func:`~pflego.fused_bilevel.fused_program`), else by
     autograd (:func:`~pflego.program.autograd_program`, the reference)."""
-    fused = fused_or_none(lambda: fused_program(loss_fn, points, data, steps))
-    return fused if fused is not None else autograd_program(loss_fn, points, data, steps)
+    fused = fused_or_none(lambda: fused_program(loss_fn, points, data, steps, optimizer, opt_state))
+    if fused is not None:
+        return fused
+    return autograd_program(loss_fn, points, data, steps, optimizer, opt_state)
 
 
 def train_steps(

@@ -11,11 +11,13 @@ CPU kernel (:func:`pflego.fused_bilevel.fused_program`); :func:`pflego.local.run
 one.
 
 A step first applies its ``mixes``, then takes the loss's gradient ``g`` at point ``at`` on the
-minibatch of schedule row ``row`` and updates point ``into`` by ``into <- shrink into - lr g``,
-then applies its ``after`` mixes. A mix is ``(dst, start, end, weight)``, ``point[dst] <-
-point[start] + weight (point[end] - point[start])`` (mixtures of points, and copies with weight
-0), or ``(dst, src, weight)``, ``point[dst] <- point[dst] + weight point[src]`` (sums, and
-closed-form pulls such as a proximal term's ``lr lam anchor``). The schedule is the client's whole
+minibatch of schedule row ``row``, adds its ``pulls`` in closed form (``g += c point[k]``: a
+proximal term's ``lam (theta - anchor)``, a linear term) and updates point ``into`` by ``into <-
+shrink into - lr g`` or, with an optimizer, by the optimizer's update (momentum, Adam: its state
+carried from step to step), then applies its ``after`` mixes. A mix is ``(dst, start, end,
+weight)``, ``point[dst] <- point[start] + weight (point[end] - point[start])`` (mixtures of
+points, and copies with weight 0), or ``(dst, src, weight)``, ``point[dst] <- point[dst] + weight
+point[src]`` (sums). The schedule is the client's whole
 one (static shapes, no host synchronization in the reference): a step whose row, or one of its
 ``gate`` rows, is empty changes nothing (its mixes included).
 """
@@ -32,6 +34,7 @@ from torch import Tensor
 from torch.func import grad_and_value
 
 from pflego import tree
+from pflego.optim import Optimizer, OptState
 from pflego.tree import Params
 from pflego.types import ClientData
 
@@ -50,15 +53,17 @@ class Step:
 
     Attributes:
         at: The point the gradient is taken at.
-        into: The point it updates, ``into <- shrink into - lr g``.
+        into: The point it updates, ``into <- shrink into - lr g`` (or the optimizer's update).
         lr: The step size.
-        shrink: The factor on ``into`` (weight decay: ``1 - lr decay``).
+        shrink: The factor on ``into`` (weight decay: ``1 - lr decay``; 1 with an optimizer,
+            whose own weight decay applies).
         row: The row of the client's schedule (``data.batches``) whose minibatch it uses.
         mixes: What happens to the points before the gradient is taken.
         record: Whether to record ``||into||^2`` after the update (with ``shrink`` 0 and ``lr``
             -1, the squared norm of the gradient: FedAS's Fisher trace).
         gate: Other rows that must hold samples for the step to run (a meta-step's group).
         after: What happens to the points after the update.
+        pulls: ``(k, c)``: ``c point[k]`` added to the gradient before the update.
     """
 
     at: int
@@ -70,18 +75,21 @@ class Step:
     record: bool = False
     gate: tuple[int, ...] = ()
     after: tuple[Mix, ...] = ()
+    pulls: tuple[tuple[int, Weight], ...] = ()
 
 
 class Outcome(NamedTuple):
     """A program's result: the points after its steps (new tensors where a step wrote them)
     and, per step ``[S]``, the loss at its point ``at`` on its minibatch before its update,
     whether it ran (1 or 0) and, for the steps with ``record``, the squared norm it recorded (0
-    for the others and where a step did not run)."""
+    for the others and where a step did not run); and the optimizer's state after the steps
+    (``{}`` without an optimizer)."""
 
     points: list[Params]
     values: Tensor
     active: Tensor
     norms: Tensor
+    opt_state: OptState
 
     def mean_value(self, stride: int = 1, summed: bool = True) -> Tensor:
         """The mean, over the local steps that ran (``stride`` program steps each, the first of
@@ -130,10 +138,15 @@ def autograd_program(
     points: Sequence[Params],
     data: ClientData,
     steps: Sequence[Step],
+    optimizer: Optimizer | None = None,
+    opt_state: OptState | None = None,
 ) -> Outcome:
     """The steps with ``torch.func`` gradients of ``loss(params, x, y, mask)`` (the reference:
-    any loss, under vmap too)."""
+    any loss, under vmap too); with an ``optimizer``, its updates from ``opt_state`` (a fresh
+    state when ``None``) on the one point every step updates."""
     points = [dict(p) for p in points]
+    if optimizer is not None and opt_state is None:
+        opt_state = optimizer.init(points[steps[0].into]) if steps else {}
     runs = active_steps(data, steps)
     whole_set = data.batches.shape[-1] == data.x.shape[0]  # a row of every sample, as is
     values, norms = [], []
@@ -142,9 +155,14 @@ def autograd_program(
         idx, mask = data.batches[step.row], data.batch_mask[step.row]
         x, y = (data.x, data.y) if whole_set else (data.x[idx], data.y[idx])
         g, value = grad_and_value(loss)(points[step.at], x, y, mask)
+        for k, c in step.pulls:
+            g = tree.axpy(c, points[k], g)
         old = points[step.into]
-        new = {k: step.shrink * v - step.lr * g[k] for k, v in old.items()}
-        points[step.into] = tree.where(on, new, old)
+        if optimizer is None:
+            new = {k: step.shrink * v - step.lr * g[k] for k, v in old.items()}
+            points[step.into] = tree.where(on, new, old)
+        else:
+            points[step.into], opt_state = optimizer.masked_update(old, g, opt_state, step.lr, on)
         apply_mixes(points, step.after, on)
         values.append(torch.where(on, value.detach(), 0.0))
         norm = tree.sq_norm(points[step.into]) if step.record else torch.zeros_like(value)
@@ -155,4 +173,5 @@ def autograd_program(
         torch.stack(values) if values else data.batch_mask.new_zeros(0),
         runs.to(dtype),
         torch.stack(norms) if norms else data.batch_mask.new_zeros(0),
+        {} if opt_state is None else opt_state,
     )

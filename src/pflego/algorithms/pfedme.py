@@ -64,9 +64,8 @@ from torch import Tensor
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.fields import at_least, one_of, positive, setting
-from pflego.local import run_program, train_steps
-from pflego.optim import SGD, Proximal
-from pflego.program import Step, Weight, mixed
+from pflego.local import run_program
+from pflego.program import Step, Weight
 from pflego.rng import seed_for
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext
@@ -133,51 +132,20 @@ class PFedMe(Algorithm):
         nothing.
 
         Returns theta, the anchor and the mean of ``f_i(theta; D)`` over the real steps. The
-        Moreau term's gradient is added in closed form, not differentiated, so the logged loss is
-        ``f_i``. With plain SGD the steps are one step program (on a declared loss, fused in one
-        call); with another optimizer, :meth:`optimizer_solve`.
+        Moreau term's gradient ``lam (theta - anchor)`` is added in closed form, not
+        differentiated, so the logged loss is ``f_i``; the steps are one step program (with
+        plain SGD on a declared loss, fused in one call) of the client optimizer's updates.
         """
-        loss = self.model_objective(data.label_mask)
-        if type(self.client_optimizer) is not SGD:
-            return self.optimizer_solve(loss, theta, anchor, data, follow)
-        lr = self.personal_lr
-        shrink = 1 - lr * (self.lam + self.client_optimizer.weight_decay)
-        pull = (0, 1, lr * self.lam)  # theta <- shrink theta - lr grad f_i + lr lam anchor
-        last = () if follow is None else ((1, 1, 0, follow),)  # anchor <- lerp(anchor, theta)
+        pulls = ((0, self.lam), (1, -self.lam))  # + lam (theta - anchor)
+        move = () if follow is None else ((1, 1, 0, follow),)  # anchor <- lerp(anchor, theta)
         steps = [
-            Step(0, 0, lr, shrink, r, after=(pull, *(last if k == self.K - 1 else ())))
+            Step(0, 0, self.personal_lr, 1.0, r, pulls=pulls, after=move if k == self.K - 1 else ())
             for r in range(data.batches.shape[0])
             for k in range(self.K)
         ]
-        outcome = run_program(loss, [theta, anchor], data, steps)
+        loss = self.model_objective(data.label_mask)
+        outcome = run_program(loss, [theta, anchor], data, steps, self.client_optimizer)
         return *outcome.points, outcome.mean_value()
-
-    def optimizer_solve(
-        self, loss, theta: Params, anchor: Params, data: ClientData, follow: Weight | None
-    ) -> tuple[Params, Params, Tensor]:
-        """:meth:`solve` with the client optimizer's steps (momentum, Adam), the proximal
-        term's gradient added by :class:`~pflego.optim.Proximal`, one minibatch D at a time."""
-        rows = data.batches.shape[0]
-        steps = data._replace(
-            batches=data.batches.repeat_interleave(self.K, 0),
-            batch_mask=data.batch_mask.repeat_interleave(self.K, 0),
-        )
-        groups = (
-            [slice(None)]
-            if follow is None
-            else [slice(r * self.K, (r + 1) * self.K) for r in range(rows)]
-        )
-        state, total, count = self.client_optimizer.init(theta), 0.0, 0.0
-        for group in groups:
-            solver = Proximal(self.client_optimizer, self.lam, anchor)
-            theta, state, mean = train_steps(
-                loss, theta, steps, solver, state, self.personal_lr, group
-            )
-            real = (steps.batch_mask[group].sum(-1) > 0).sum()
-            total, count = total + mean * real, count + real
-            if follow is not None:
-                anchor = tree.where(real > 0, mixed(anchor, theta, follow), anchor)
-        return theta, anchor, total / count.clamp(min=1)
 
     def personal_solve(
         self, theta: Params, anchor: Params, batch: ClientData

@@ -68,7 +68,7 @@ from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.fields import non_negative, one_of, positive, setting
 from pflego.local import run_program, train_steps
-from pflego.optim import SGD, OptState, Proximal
+from pflego.optim import OptState
 from pflego.program import Step
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, Schedule, ServerState
@@ -267,45 +267,23 @@ class PGFed(Algorithm):
         opt_state: OptState | None = None,
     ) -> tuple[Params, Params, Tensor, OptState]:
         """The round's local steps on ``risk`` along ``grad risk + g~_i`` (Eq. 10; g~_i = ``aux``,
-        added in closed form) from ``opt_state`` (a fresh optimizer state when ``None``): with
-        plain SGD one step program (on a declared loss, fused in one call), else
-        :meth:`optimizer_descend`.
+        added in closed form), the client optimizer's updates from ``opt_state`` (a fresh state
+        when ``None``), as one step program (with plain SGD on a declared loss, fused in one
+        call).
 
         Returns the model, the sum of the points where each real step's gradient was taken, the
         number of real steps and the optimizer's final state.
         """
-        if opt_state is None:
-            opt_state = self.client_optimizer.init(params)
-        steps = (data.batch_mask.sum(-1) > 0).to(data.batch_mask.dtype).sum()
-        if type(self.client_optimizer) is not SGD:
-            params, iterates, opt_state = self.optimizer_descend(
-                risk, aux, params, data, lr, opt_state
-            )
-            return params, iterates, steps, opt_state
-        shrink = 1 - lr * self.client_optimizer.weight_decay
         program = [
-            # S <- S + theta; theta <- shrink theta - lr grad risk(theta) - lr g~_i
-            Step(0, 0, lr, shrink, row, mixes=((2, 0, 1.0),), after=((0, 1, -lr),))
+            # S <- S + theta; theta <- theta - lr (grad risk(theta) + g~_i)
+            Step(0, 0, lr, 1.0, row, mixes=((2, 0, 1.0),), pulls=((1, 1.0),))
             for row in range(data.batches.shape[0])
         ]
         points = [params, aux, tree.zeros_like(params)]
-        params, _, iterates = run_program(risk, points, data, program).points
-        return params, iterates, steps, opt_state
-
-    def optimizer_descend(
-        self, risk, aux: Params, params: Params, data: ClientData, lr: float, opt_state: OptState
-    ) -> tuple[Params, Params, OptState]:
-        """:meth:`descend`'s steps with the client optimizer (momentum, Adam), one at a time,
-        g~_i added by :class:`~pflego.optim.Proximal`: the model, the iterate sum, the state."""
-        optimizer = Proximal(self.client_optimizer, 0.0, params, linear=tree.scale(aux, -1.0))
-        iterates = tree.zeros_like(params)
-        for row in range(data.batches.shape[0]):
-            real = (data.batch_mask[row].sum() > 0).to(data.batch_mask.dtype)
-            iterates = tree.axpy(real, params, iterates)
-            params, opt_state, _ = train_steps(
-                risk, params, data, optimizer, opt_state, lr, slice(row, row + 1)
-            )
-        return params, iterates, opt_state
+        outcome = run_program(risk, points, data, program, self.client_optimizer, opt_state)
+        params, _, iterates = outcome.points
+        steps = (data.batch_mask.sum(-1) > 0).to(data.batch_mask.dtype).sum()
+        return params, iterates, steps, outcome.opt_state
 
     def full_gradient(self, params: Params, data: ClientData) -> tuple[Params, Tensor]:
         """``grad f_i`` and ``f_i``, the mean loss over all the client's samples: a step program
