@@ -14,10 +14,10 @@ The clients' personalized models W = (w_1, ..., w_I) minimize
 - Client i (a proximal step): ``w_i = argmin_w F_i(w) + lambda / (2 alpha_k) ||w - u_i||^2``,
   here the run's local steps with the client optimizer, starting from u_i; it uploads w_i.
 
-Symbols to code: w_i -> the client state ``model.*`` and the server's copies ``server["models"]``
-``[I, ...]``; u_i -> the downlink (``server["cloud"]``, computed after every server round);
-xi -> ``server["amp"]["xi"]`` ``[I, I]``; lambda, alpha_k, sigma -> ``lam``, ``alpha``,
-``sigma``; the local solver's step size -> ``ctx.client_lr``.
+Symbols to code: w_i -> the client state ``model.*`` and the server's table ``server["models"]``
+``[I, ...]`` (``ModelTable``); u_i -> the downlink (``server["cloud"]``, computed after every
+server round); xi -> ``server["amp"]["xi"]`` ``[I, I]``; lambda, alpha_k, sigma -> ``lam``,
+``alpha``, ``sigma``; the local solver's step size -> ``ctx.client_lr``.
 
 Deliberate differences and choices:
 - Defaults ``lam = alpha = sigma = 1``: PFLlib's. The paper's values for its data sets were not
@@ -45,12 +45,11 @@ import torch
 from torch import Tensor
 
 from pflego import tree
-from pflego.algorithms.base import Algorithm, register
+from pflego.algorithms.base import register
+from pflego.algorithms.table import OWN, ModelTable
 from pflego.fields import non_negative, positive, setting
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, ServerState
-
-OWN = "model."
 
 
 def attention(models: Params, alpha: float, sigma: float) -> Tensor:
@@ -64,10 +63,7 @@ def attention(models: Params, alpha: float, sigma: float) -> Tensor:
 
 @register("fedamp")
 @dataclass(frozen=True)
-class FedAMP(Algorithm):
-    server_step: ClassVar[str] = (
-        "own"  # the server stores each client's model and builds the cloud models
-    )
+class FedAMP(ModelTable):
     lam: float = setting(1.0, "strength lambda of the attention term", non_negative)
     alpha: float = setting(1.0, "step size alpha_k of the server's message passing", positive)
     sigma: float = setting(
@@ -76,44 +72,27 @@ class FedAMP(Algorithm):
 
     personal: ClassVar[tuple[str, ...]] = ("body", "head")
     default_client_lr: ClassVar[float] = 0.1  # the defaults study's choice (0.3: 18% below)
-    per_client_downlink: ClassVar[bool] = True
-    sum_aggregate: ClassVar[bool] = False
 
-    # --- server ---------------------------------------------------------------------------------
-
-    def init_server(self, params: Params) -> ServerState:
-        """The initial model; every client's copy and cloud model are it until the first round."""
-        return {"params": params}
+    # --- server: the table of w_1..w_I (``ModelTable``) and the cloud models ---------------------
 
     def downlink(
         self, server: ServerState, ctx: RoundContext, clients: Tensor | None = None
     ) -> Params:
         """u_i for each of ``clients``; a newcomer gets the average of the latest models."""
-        if clients is None:
-            return server["params"]
-        if "cloud" not in server:
-            return {k: v.expand(len(clients), *v.shape) for k, v in server["params"].items()}
+        if clients is None or "cloud" not in server:
+            return self.initial(server, clients)
         return {k: v[clients.to(v.device)] for k, v in server["cloud"].items()}
 
     def server_round(
         self, server: ServerState, out: ClientOut, ctx: RoundContext, clients: Tensor
     ) -> ServerState:
         """Store the cohort's w_i, then pass messages: every u_i from every latest w_j."""
-        params = server["params"]
-        if "models" in server:
-            models = {k: v.clone() for k, v in server["models"].items()}
-        else:
-            models = {k: v.expand(ctx.num_clients, *v.shape).clone() for k, v in params.items()}
-        for k, v in models.items():
-            v[clients.to(v.device)] = out.upload[OWN + k].to(v.dtype)
+        server = self.store(server, out, ctx, clients)
+        models = server["models"]
         xi = attention(models, self.alpha, self.sigma)
         cloud = {k: torch.tensordot(xi.to(v), v, dims=1) for k, v in models.items()}
-        return {
-            "params": {k: v.mean(0) for k, v in models.items()},
-            "models": models,
-            "cloud": cloud,
-            "amp": {"xi": xi},
-        }
+        mean = {k: v.mean(0) for k, v in models.items()}
+        return {**server, "params": mean, "cloud": cloud, "amp": {"xi": xi}}
 
     # --- client ---------------------------------------------------------------------------------
 

@@ -22,9 +22,9 @@ server stores the result as theta_i.
 
 Symbols to code: R_w -> ``warmup_rounds``; lambda -> ``model_momentum`` (0.5, FL-bench's);
 the pre-trained (global) model -> ``server["params"]``; theta_1..theta_I -> ``server["models"]``
-``[I, ...]``; (mu_il, sigma_il^2) -> ``server["stats"]`` (``<layer>.mean`` / ``<layer>.var``,
-``[I, C_l]``) with ``server["measured"]`` ``[I]``; w -> ``server["weights"]`` ``[I, I]``; a
-client's batch-norm layers -> its state, as FedBN's.
+``[I, ...]`` (``ModelTable``); (mu_il, sigma_il^2) -> ``server["stats"]`` (``<layer>.mean`` /
+``<layer>.var``, ``[I, C_l]``) with ``server["measured"]`` ``[I]``; w -> ``server["weights"]``
+``[I, I]``; a client's batch-norm layers -> its state, as FedBN's.
 
 Deliberate differences and choices:
 - The pre-training is f-FedAP's, the paper's variant without a pre-training split: R_w rounds of
@@ -67,11 +67,12 @@ from torch import Tensor
 from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.algorithms.fedbn import RUNNING, FedBN
+from pflego.algorithms.table import OWN, ModelTable
 from pflego.fields import between, non_negative, setting
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, ServerState
 
-OWN, STATS, TRAINED = "model.", "stats.", "trained"
+STATS, TRAINED = "stats.", "trained"
 FEATURES = "features"  # the statistics' layer name for a model without batch norm
 
 
@@ -97,7 +98,7 @@ def wasserstein_weights(stats: Params, measured: Tensor, momentum: float) -> Ten
 
 @register("fedap")
 @dataclass(frozen=True)
-class FedAP(FedBN):
+class FedAP(ModelTable, FedBN):
     warmup_rounds: int = setting(
         50, "rounds of FedBN pre-training before the adaptive aggregation", non_negative
     )
@@ -106,24 +107,11 @@ class FedAP(FedBN):
     )
 
     personal: ClassVar[tuple[str, ...]] = ("body", "head")
-    per_client_downlink: ClassVar[bool] = True
-    sum_aggregate: ClassVar[bool] = False
-    server_step: ClassVar[str] = "own"  # the pre-training's mean, then stored models
 
     def __post_init__(self) -> None:
         Algorithm.__post_init__(self)  # without batch norm the features' statistics stand in
 
-    # --- server ---------------------------------------------------------------------------------
-
-    def init_server(self, params: Params) -> ServerState:
-        """The global model; the models, statistics and weights appear after the pre-training."""
-        return {"params": params}
-
-    def stored_models(self, server: ServerState, ctx: RoundContext) -> Params:
-        """theta_1..theta_I ``[I, ...]``: the stored ones, or the global model for everyone."""
-        if "models" in server:
-            return server["models"]
-        return {k: v.expand(ctx.num_clients, *v.shape) for k, v in server["params"].items()}
+    # --- server: the pre-training's mean, then the table of theta_1..theta_I (``ModelTable``) --
 
     def downlink(
         self, server: ServerState, ctx: RoundContext, clients: Tensor | None = None
@@ -131,7 +119,7 @@ class FedAP(FedBN):
         """theta~_i for each of ``clients``; a newcomer gets the global model."""
         if clients is None:
             return server["params"]
-        models = self.stored_models(server, ctx)
+        models = self.stored(server, ctx)
         if "weights" not in server:
             return {k: v[clients.to(v.device)] for k, v in models.items()}
         rows = server["weights"][clients.to(server["weights"].device)]
@@ -142,15 +130,12 @@ class FedAP(FedBN):
     ) -> ServerState:
         """The pre-training's weighted mean; afterwards store the cohort's models, the
         statistics of those measured for the first time, and the weights."""
-        uploads = tree.strip_prefix(OWN, out.upload)
         if ctx.round < self.warmup_rounds:
+            uploads = tree.strip_prefix(OWN, out.upload)
             mean = tree.weighted_sum(uploads, out.weight / out.weight.sum())
             return {"params": {k: v.to(server["params"][k]) for k, v in mean.items()}}
-        models = {k: v.clone() for k, v in self.stored_models(server, ctx).items()}
-        idx = clients.to(next(iter(models.values())).device)
-        for k, v in models.items():
-            v[idx] = uploads[k].to(v)
         measured, stats = self.measured(server, ctx, tree.strip_prefix(STATS, out.upload))
+        idx = clients.to(measured.device)
         new = measured[idx] == 0
         stats = {k: v.clone() for k, v in stats.items()}
         for k, v in stats.items():
@@ -158,13 +143,8 @@ class FedAP(FedBN):
         measured = measured.clone()
         measured[idx] = 1.0
         weights = wasserstein_weights(stats, measured, self.model_momentum)
-        return {
-            **server,
-            "models": models,
-            "stats": stats,
-            "measured": measured,
-            "weights": weights,
-        }
+        stored = self.store(server, out, ctx, clients)
+        return {**stored, "stats": stats, "measured": measured, "weights": weights}
 
     def measured(
         self, server: ServerState, ctx: RoundContext, uploaded: Params

@@ -24,7 +24,8 @@ Symbols to code: theta_i -> the client state ``model.*``; the downloaded theta_j
 validation split, ``val_fraction`` of its training data held out; the paper holds out part of the
 local training data, its code 20%); M -> ``num_models`` (5, the paper's smaller setting);
 epsilon, decay -> ``epsilon`` / ``epsilon_decay`` (0.3 and 0.05 per round, the authors' CIFAR
-commands); P -> ``server["affinity"]["P"]``; the server's copies -> ``server["models"]``.
+commands); P -> ``server["affinity"]["P"]``; the server's copies -> ``server["models"]``
+(``ModelTable``).
 
 Differences and choices:
 - Candidates are all other clients' latest models (a client that has not trained yet holds the
@@ -59,14 +60,14 @@ import torch
 from torch import Tensor
 
 from pflego import tree
-from pflego.algorithms.base import Algorithm, register
+from pflego.algorithms.base import register
+from pflego.algorithms.table import OWN, ModelTable
 from pflego.fields import at_least, between, non_negative, setting
 from pflego.local import train_steps
 from pflego.loss import Objective
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext
 
-OWN = "model."
 PEER = "peer."
 START = "start."
 WEIGHTS = "fomo.weights"
@@ -74,7 +75,7 @@ WEIGHTS = "fomo.weights"
 
 @register("fedfomo")
 @dataclass(frozen=True)
-class FedFomo(Algorithm):
+class FedFomo(ModelTable):
     num_models: int = setting(
         5, "how many other clients' models each client downloads (M)", at_least(1)
     )
@@ -83,10 +84,7 @@ class FedFomo(Algorithm):
     )
     epsilon_decay: float = setting(0.05, "how much epsilon falls per round", non_negative)
 
-    per_client_downlink: ClassVar[bool] = True
     uses_validation: ClassVar[bool] = True
-    sum_aggregate: ClassVar[bool] = False
-    server_step: ClassVar[str] = "own"  # the server stores each client's upload as it is
 
     # --- server side --------------------------------------------------------------------------
 
@@ -117,25 +115,21 @@ class FedFomo(Algorithm):
 
     def server_round(self, server, out, ctx, clients):
         num, m = ctx.num_clients, self.peers(ctx.num_clients)
-        clients = clients.to(torch.int64).cpu()
-        if "models" in server:
-            models = {k: v.clone() for k, v in server["models"].items()}
+        if "affinity" in server:
             affinity, picks = server["affinity"]["P"].clone(), server["picks"]["ids"]
         else:
-            models = {k: v.expand(num, *v.shape).clone() for k, v in server["params"].items()}
             affinity = torch.zeros(num, num, dtype=torch.float64)
             picks = initial_picks(num, m)
+        server = self.store(server, out, ctx, clients)
+        clients = clients.to(torch.int64).cpu()
         weights = out.upload[WEIGHTS].detach().double().cpu()
         affinity.index_put_((clients[:, None], picks[clients]), weights, accumulate=True)
-        for k, v in models.items():
-            v[clients.to(v.device)] = out.upload[OWN + k]
         generator = torch.Generator()
         generator.set_state(server["rng"]["state"].cpu())
         epsilon = max(0.0, self.epsilon - (ctx.round + 1) * self.epsilon_decay)
         return {
             **server,
-            "params": {k: v.mean(0) for k, v in models.items()},
-            "models": models,
+            "params": {k: v.mean(0) for k, v in server["models"].items()},
             "affinity": {"P": affinity},
             "picks": {"ids": epsilon_greedy(affinity, m, epsilon, generator)},
             "rng": {"state": generator.get_state()},

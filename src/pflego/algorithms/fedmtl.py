@@ -20,10 +20,10 @@ a constant in w, the penalty is the proximal term ``(rho / 2) ||w - a_i||^2`` wi
 steps take it (``Algorithm.train``'s ``anchor`` and ``strength``: its gradient in closed form).
 The client uploads w_i, which the server stores.
 
-Symbols to code: w_i -> the client state ``model.*`` (with ``trained``) and the server's copies
-``server["models"]`` ``[I, ...]``; s_i -> the downlink's ``others.*``; the initial model ->
-``server["params"]``, sent beside s_i (a client's model until it first trains); r ->
-``ctx.cohort_size``; omega, c, rho, a_i -> computed in ``penalty``.
+Symbols to code: w_i -> the client state ``model.*`` (with ``trained``) and the server's table
+``server["models"]`` ``[I, ...]`` (``ModelTable``); s_i -> the downlink's ``others.*``; the
+initial model -> ``server["params"]``, sent beside s_i (a client's model until it first trains);
+r -> ``ctx.cohort_size``; omega, c, rho, a_i -> computed in ``penalty``.
 
 Deliberate differences and choices:
 - d counts the model's parameters (PFLlib flattens the ``state_dict``, which also holds
@@ -49,66 +49,37 @@ import torch
 from torch import Tensor
 
 from pflego import tree
-from pflego.algorithms.base import Algorithm, register
+from pflego.algorithms.base import register
+from pflego.algorithms.table import OWN, ModelTable
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, ServerState
 
-OWN, OTHERS, TRAINED = "model.", "others.", "trained"
+OTHERS, TRAINED = "others.", "trained"
 
 
 @register("fedmtl")
 @dataclass(frozen=True)
-class FedMTL(Algorithm):
+class FedMTL(ModelTable):
     personal: ClassVar[tuple[str, ...]] = ("body", "head")
-    per_client_downlink: ClassVar[bool] = True
-    sum_aggregate: ClassVar[bool] = False
-    server_step: ClassVar[str] = "own"  # the server stores the models
 
-    # --- server ---------------------------------------------------------------------------------
-
-    def init_server(self, params: Params) -> ServerState:
-        """The initial model; the stored models appear at the first round."""
-        return {"params": params}
-
-    def stored(self, server: ServerState, ctx: RoundContext) -> Params:
-        """w_1..w_I ``[I, ...]`` as the server holds them (the initial model until trained)."""
-        if "models" in server:
-            return server["models"]
-        return {k: v.expand(ctx.num_clients, *v.shape) for k, v in server["params"].items()}
+    # --- server: the table of w_1..w_I (``ModelTable``: the initial model until trained) --------
 
     def downlink(
         self, server: ServerState, ctx: RoundContext, clients: Tensor | None = None
     ) -> Params:
         """The initial model and s_i, the sum of the other cohort members' models; a newcomer
         gets the initial model."""
-        params = server["params"]
         if clients is None:
-            return params
-        models = self.stored(server, ctx)
-        others = {}
-        for k, v in models.items():
-            cohort = v[clients.to(v.device)]
-            others[k] = cohort.sum(0, keepdim=True) - cohort
-        stacked = {k: v.expand(len(clients), *v.shape) for k, v in params.items()}
-        return {**stacked, **tree.add_prefix(OTHERS, others)}
+            return self.initial(server)
+        cohort = {k: v[clients.to(v.device)] for k, v in self.stored(server, ctx).items()}
+        others = {k: v.sum(0, keepdim=True) - v for k, v in cohort.items()}
+        return {**self.initial(server, clients), **tree.add_prefix(OTHERS, others)}
 
     def evaluation_downlink(
         self, server: ServerState, ctx: RoundContext, clients: Tensor | None = None
     ) -> Params:
         """The initial model (without s_i, which only training reads)."""
-        params = server["params"]
-        if clients is None:
-            return params
-        return {k: v.expand(len(clients), *v.shape) for k, v in params.items()}
-
-    def server_round(
-        self, server: ServerState, out: ClientOut, ctx: RoundContext, clients: Tensor
-    ) -> ServerState:
-        """Store the cohort's models."""
-        models = {k: v.clone() for k, v in self.stored(server, ctx).items()}
-        for k, v in models.items():
-            v[clients.to(v.device)] = out.upload[OWN + k].to(v)
-        return {**server, "models": models}
+        return self.initial(server, clients)
 
     # --- client ---------------------------------------------------------------------------------
 

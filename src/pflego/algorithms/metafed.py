@@ -17,9 +17,9 @@ At every later visit it trains, from
   model is poor inherits its predecessor's).
 
 Symbols to code: theta_i -> the client state ``model.*`` (``warm``: after its warm-up) and the
-server's copies ``server["models"]`` ``[I, ...]`` (the teachers); theta_{i-1} -> the downlink's
-``teacher.*``; f_i -> the state ``flag``; lambda, tau_1 -> ``lam`` (1.0), ``threshold`` (0.6),
-FL-bench's defaults; phi -> the body's output features.
+server's table ``server["models"]`` ``[I, ...]`` (``ModelTable``; the teachers); theta_{i-1} ->
+the downlink's ``teacher.*``; f_i -> the state ``flag``; lambda, tau_1 -> ``lam`` (1.0),
+``threshold`` (0.6), FL-bench's defaults; phi -> the body's output features.
 
 Deliberate differences and choices:
 - The cycle runs in parallel: a round's teachers are the models the server holds when it starts
@@ -48,19 +48,20 @@ import torch
 from torch import Tensor
 
 from pflego import tree
-from pflego.algorithms.base import Algorithm, register
+from pflego.algorithms.base import register
+from pflego.algorithms.table import OWN, ModelTable
 from pflego.fields import between, non_negative, setting
 from pflego.local import train_steps
 from pflego.loss import masked_cross_entropy
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, ServerState
 
-OWN, TEACHER, WARM, FLAG = "model.", "teacher.", "warm", "flag"
+TEACHER, WARM, FLAG = "teacher.", "warm", "flag"
 
 
 @register("metafed")
 @dataclass(frozen=True)
-class MetaFed(Algorithm):
+class MetaFed(ModelTable):
     lam: float = setting(
         1.0, "weight lambda of the feature distillation from the teacher", non_negative
     )
@@ -69,54 +70,27 @@ class MetaFed(Algorithm):
     )
 
     personal: ClassVar[tuple[str, ...]] = ("body", "head")
-    per_client_downlink: ClassVar[bool] = True
-    sum_aggregate: ClassVar[bool] = False
-    server_step: ClassVar[str] = "own"  # the server relays the models
     uses_validation: ClassVar[bool] = True
 
-    # --- server ---------------------------------------------------------------------------------
-
-    def init_server(self, params: Params) -> ServerState:
-        """The initial model; the clients' models appear at the first round."""
-        return {"params": params}
-
-    def stored(self, server: ServerState, ctx: RoundContext) -> Params:
-        """theta_1..theta_I ``[I, ...]`` (the initial model until a client trains)."""
-        if "models" in server:
-            return server["models"]
-        return {k: v.expand(ctx.num_clients, *v.shape) for k, v in server["params"].items()}
+    # --- server: the table of theta_1..theta_I (``ModelTable``: the initial model until trained)
 
     def downlink(
         self, server: ServerState, ctx: RoundContext, clients: Tensor | None = None
     ) -> Params:
         """The initial model and each client's teacher theta_{i-1}; a newcomer gets the initial
         model."""
-        params = server["params"]
         if clients is None:
-            return params
+            return self.initial(server)
         models = self.stored(server, ctx)
         count = len(next(iter(models.values())))
         teachers = {k: v[(clients.to(v.device) - 1) % count] for k, v in models.items()}
-        stacked = {k: v.expand(len(clients), *v.shape) for k, v in params.items()}
-        return {**stacked, **tree.add_prefix(TEACHER, teachers)}
+        return {**self.initial(server, clients), **tree.add_prefix(TEACHER, teachers)}
 
     def evaluation_downlink(
         self, server: ServerState, ctx: RoundContext, clients: Tensor | None = None
     ) -> Params:
         """The initial model (without the teachers, which only training reads)."""
-        params = server["params"]
-        if clients is None:
-            return params
-        return {k: v.expand(len(clients), *v.shape) for k, v in params.items()}
-
-    def server_round(
-        self, server: ServerState, out: ClientOut, ctx: RoundContext, clients: Tensor
-    ) -> ServerState:
-        """Store the cohort's models (the next rounds' teachers)."""
-        models = {k: v.clone() for k, v in self.stored(server, ctx).items()}
-        for k, v in models.items():
-            v[clients.to(v.device)] = out.upload[OWN + k].to(v)
-        return {**server, "models": models}
+        return self.initial(server, clients)
 
     # --- client ---------------------------------------------------------------------------------
 

@@ -20,8 +20,8 @@ round t:
 
 Symbols to code: R_w -> ``warmup_rounds``; the global model of the warm-up -> ``server["params"]``
 (kept afterwards as a newcomer's model); theta_1..theta_I -> ``server["models"]`` ``[I, ...]``
-(created from the global model at the first personalized round), and each client's state
-``model.*`` with ``trained``; S -> ``server["sim"]`` ``[I, I]``;
+(``ModelTable``'s, created from the global model at the first personalized round), and each
+client's state ``model.*`` with ``trained``; S -> ``server["sim"]`` ``[I, I]``;
 phi -> the ``body.*`` entries, h -> ``head.*`` (the classifier's weight ``head.weight`` gives S);
 the mixture -> ``tree.mix`` (per-entry weights: a_i on the body, the client's own row on the
 head);
@@ -55,12 +55,12 @@ import torch
 from torch import Tensor
 
 from pflego import tree
-from pflego.algorithms.base import Algorithm, register
+from pflego.algorithms.base import register
+from pflego.algorithms.table import OWN, ModelTable
 from pflego.fields import non_negative, setting
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, ClientState, RoundContext, ServerState
 
-OWN = "model."  # the upload and the client's theta_i
 TRAINED = "trained"  # 1 once the client has trained after the warm-up (or joined)
 SELF = 0.9999  # the similarity of a client to itself (the authors' constant)
 
@@ -79,27 +79,14 @@ def mixing_weights(sim: Tensor) -> Tensor:
 
 @register("pfedsim")
 @dataclass(frozen=True)
-class PFedSim(Algorithm):
+class PFedSim(ModelTable):
     warmup_rounds: int = setting(
         50, "the rounds of FedAvg before the similarity-weighted personalization", non_negative
     )
 
     personal: ClassVar[tuple[str, ...]] = ("body", "head")
-    per_client_downlink: ClassVar[bool] = True
-    sum_aggregate: ClassVar[bool] = False
-    server_step: ClassVar[str] = "own"  # the warm-up's weighted mean, then stored models
 
-    # --- server ---------------------------------------------------------------------------------
-
-    def init_server(self, params: Params) -> ServerState:
-        """The global model; the personal models and S appear at the first personalized round."""
-        return {"params": params}
-
-    def stored_models(self, server: ServerState, ctx: RoundContext) -> Params:
-        """theta_1..theta_I ``[I, ...]``: the stored ones, or the global model for everyone."""
-        if "models" in server:
-            return server["models"]
-        return {k: v.expand(ctx.num_clients, *v.shape) for k, v in server["params"].items()}
+    # --- server: the warm-up's mean, then the table of theta_1..theta_I (``ModelTable``) -------
 
     def downlink(
         self, server: ServerState, ctx: RoundContext, clients: Tensor | None = None
@@ -107,7 +94,7 @@ class PFedSim(Algorithm):
         """(phi~_i, h_i) for each of ``clients``; a newcomer gets the global model."""
         if clients is None:
             return server["params"]
-        models = self.stored_models(server, ctx)
+        models = self.stored(server, ctx)
         if "sim" not in server:
             return {k: v[clients.to(v.device)] for k, v in models.items()}
         idx = clients.to(server["sim"].device)
@@ -124,17 +111,14 @@ class PFedSim(Algorithm):
         if ctx.round < self.warmup_rounds:
             mean = tree.weighted_sum(uploads, out.weight / out.weight.sum())
             return {"params": {k: v.to(server["params"][k]) for k, v in mean.items()}}
-        models = {k: v.clone() for k, v in self.stored_models(server, ctx).items()}
-        idx = clients.to(next(iter(models.values())).device)
-        for k, v in models.items():
-            v[idx] = uploads[k].to(v)
         heads = uploads["head.weight"]
         fresh = torch.eye(ctx.num_clients, dtype=heads.dtype, device=heads.device)
         sim = server["sim"].clone() if "sim" in server else fresh
+        idx = clients.to(sim.device)
         pairs = classifier_similarity(heads.to(sim))
         sim[idx[:, None], idx[None, :]] = pairs
         sim[idx, idx] = 1.0  # the diagonal stays S's identity
-        return {"params": server["params"], "models": models, "sim": sim}
+        return {**self.store(server, out, ctx, clients), "sim": sim}
 
     # --- client ---------------------------------------------------------------------------------
 
