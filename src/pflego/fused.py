@@ -332,13 +332,16 @@ def step_inputs(
 def flat_views(
     plan: tuple[Layer, ...], order: list[str], params: Params
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """``params[order]`` in the kernel's layout as one flat vector, and each as a view of it."""
-    flat = torch.cat([_kernel_layout(plan, k, params[k]).reshape(-1) for k in order])
+    """``params[order]`` in the kernel's layout as one flat vector, and each as a view of it
+    (each tensor copied once, straight into its place)."""
+    laid_out = [_kernel_layout(plan, k, params[k]) for k in order]
+    first = laid_out[0]
+    flat = first.new_empty(sum(v.numel() for v in laid_out))
     views, offset = {}, 0
-    for k in order:
-        shape = _kernel_layout(plan, k, params[k]).shape
-        views[k] = flat[offset : offset + shape.numel()].view(shape)
-        offset += shape.numel()
+    for k, value in zip(order, laid_out, strict=True):
+        views[k] = flat[offset : offset + value.numel()].view(value.shape)
+        views[k].copy_(value)
+        offset += value.numel()
     return flat, views
 
 
