@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -26,11 +27,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from pflego.cli.flags import resume_rounds, server_run_config, settings_from_args
 from pflego.cli.run import summary
@@ -39,6 +39,7 @@ from pflego.errors import ConfigError, DivergedError, PflegoError
 
 if TYPE_CHECKING:
     from pflego.config import Config
+    from pflego.flower.deploy import LocalDeployment, StopFlag
 
 
 def _require_flower() -> None:
@@ -56,7 +57,11 @@ NODE_STATES = "flower-nodes"
 
 @dataclass
 class Plan:
-    """Everything a local deployment needs, resolved before any daemon starts."""
+    """Everything a local deployment or simulation needs, resolved before any process starts.
+
+    ``federation`` is the federation config of a run on Flower's simulation engine (Ray's virtual
+    SuperNodes, ``pflego flower simulate``); ``None`` for SuperNode daemons.
+    """
 
     config: dict[str, Any]
     out: str
@@ -69,10 +74,26 @@ class Plan:
     round_timeout: float = 120.0
     timeout: float = 3600.0
     resume: bool = False
+    federation: dict[str, Any] | None = None
 
     @property
     def nodes(self) -> int:
         return len(self.sites) if self.sites is not None else int(self.config["clients"])
+
+    def run_config(self) -> dict[str, Any]:
+        """The run config of ``flwr run --run-config`` (the app's keys only)."""
+        from pflego.config import load_config
+        from pflego.flower.records import encode_config
+
+        return {
+            "pflego-config": encode_config(load_config(self.config)),
+            "out": self.out,
+            "round-timeout": float(self.round_timeout),
+            "join-timeout": 120.0,
+            "state-dir": str(Path(self.out) / NODE_STATES),
+            "resume": self.resume,
+            **self.run,
+        }
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
@@ -222,13 +243,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         ) from None
 
 
-class SavedPlan(Protocol):
-    """A plan that a command saves for its re-run inside the network namespace."""
-
-    def save(self, path: Path) -> None: ...
-
-
-def _rerun_in_netns(plan: SavedPlan, wrap, subcommand: str = "local") -> int:
+def _rerun_in_netns(plan: Plan, wrap, subcommand: str = "local") -> int:
     """Run the plan again (``pflego flower <subcommand> --plan FILE``) inside a new network
     namespace (only loopback) and wait for it.
 
@@ -265,43 +280,48 @@ def _rerun_in_netns(plan: SavedPlan, wrap, subcommand: str = "local") -> int:
 
 def run_local(plan: Plan) -> int:
     """Start the deployment in this process's network namespace, run, stop everything."""
-    from pflego.config import load_config
+    return run_plan(plan, functools.partial(local_deployment, plan))
+
+
+@contextlib.contextmanager
+def local_deployment(plan: Plan, workdir: Path, say, stop) -> Iterator[LocalDeployment]:
+    """The plan's SuperLink and SuperNodes (TLS and authentication as planned), running; the
+    plan is saved in the run directory for ``--resume``."""
     from pflego.flower.certs import Credentials, generate
-    from pflego.flower.deploy import LocalDeployment, stop_on_signals
-    from pflego.flower.records import encode_config
+    from pflego.flower.deploy import LocalDeployment
+
+    credentials = None
+    if plan.tls or plan.auth or plan.certs is not None:
+        credentials = (
+            Credentials(Path(plan.certs)) if plan.certs else generate(workdir / "certs", plan.nodes)
+        )
+    out = Path(plan.out)
+    plan.save(out / PLAN_FILE)
+    with LocalDeployment(workdir, credentials, plan.auth, say, stop=stop) as deployment:
+        deployment.start_nodes(plan.nodes, sites=plan.sites, state_root=out / NODE_STATES)
+        yield deployment
+
+
+def run_plan(
+    plan: Plan,
+    open_deployment: Callable[[Path, Callable[[str], None], StopFlag], Any],
+    started: str = "",
+) -> int:
+    """Run the plan's experiment on ``open_deployment(workdir, say, stop)`` (a context manager
+    whose exit stops every process it started) and print the run's summary."""
+    from pflego.flower.deploy import stop_on_signals
     from pflego.history import History
 
-    config = load_config(plan.config)
     out = Path(plan.out)
     keep = plan.workdir is not None
     workdir = Path(plan.workdir or tempfile.mkdtemp(prefix="pflego-flower-")).resolve()
     say = lambda line: print(f"pflego: {line}", flush=True)  # noqa: E731
-    run_config = {
-        "pflego-config": encode_config(config),
-        "out": str(out),
-        "round-timeout": float(plan.round_timeout),
-        "join-timeout": 120.0,
-        "resume": plan.resume,
-        **plan.run,
-    }
     try:
-        credentials = None
-        if plan.tls or plan.auth or plan.certs is not None:
-            credentials = (
-                Credentials(Path(plan.certs))
-                if plan.certs
-                else generate(workdir / "certs", plan.nodes)
-            )
         out.mkdir(parents=True, exist_ok=True)
-        plan.save(out / PLAN_FILE)
-        with (
-            stop_on_signals() as stop,
-            LocalDeployment(workdir, credentials, plan.auth, say, stop=stop) as deployment,
-        ):
-            deployment.start_nodes(plan.nodes, sites=plan.sites, state_root=out / NODE_STATES)
-            run_id = deployment.submit(run_config)
-            say(f"run {run_id} started; run directory {out}")
-            status = follow(deployment, run_id, out, plan.timeout, say, stop)
+        with stop_on_signals() as stop, open_deployment(workdir, say, stop) as deployment:
+            run_id = deployment.submit(plan.run_config())
+            say(f"run {run_id} started{started}; run directory {out}")
+            status = follow(deployment, run_id, out, plan.timeout, say)
             check_completed(deployment, run_id, status, out, workdir)
     except KeyboardInterrupt:  # every process is stopped by now, and there is nothing to keep
         if not keep:
@@ -337,23 +357,20 @@ def check_completed(deployment, run_id: int, status: str, out: Path, workdir: Pa
     )
 
 
-def follow(deployment, run_id: int, out: Path, timeout: float, say, stop) -> str:
+def follow(deployment, run_id: int, out: Path, timeout: float, say) -> str:
     """Wait for the run, echoing each new evaluation and round status as it is logged."""
-    deadline = time.monotonic() + timeout
     seen = {"metrics.jsonl": 0, "flower.jsonl": 0}
-    status = "unknown"
-    while time.monotonic() < deadline:
-        status = deployment.status(run_id)
+
+    def echo() -> None:
         for name in seen:
             path = out / name
             lines = path.read_text().splitlines() if path.is_file() else []
             for line in lines[seen[name] :]:
                 _echo(name, json.loads(line), say)
             seen[name] = max(seen[name], len(lines))
-        if status.startswith("finished"):
-            return status
-        stop.sleep(2.0)
-    return f"still {status} after {timeout:g} s"
+
+    status = deployment.wait(run_id, timeout, each=echo)
+    return status if status.startswith("finished") else f"still {status} after {timeout:g} s"
 
 
 def _echo(name: str, record: dict[str, Any], say) -> None:

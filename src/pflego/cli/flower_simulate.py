@@ -20,26 +20,20 @@ This module imports neither flwr, Ray nor torch at import time.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
-import json
 import os
-import shutil
-import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pflego.cli.flags import add_flag, add_flags, add_run_flags, add_server_flags, server_run_config
 from pflego.cli.flower_local import (
-    NODE_STATES,
+    Plan,
     _require_flower,
     _rerun_in_netns,
-    check_completed,
     check_new_flower_dir,
     clear_flower_dir,
     flower_config,
-    follow,
+    run_plan,
 )
 from pflego.cli.session import Interrupted
 from pflego.errors import ConfigError, PflegoError
@@ -48,49 +42,12 @@ RUN_CONFIG_FILE = "flower-run-config.toml"
 FEDERATION_FILE = "flower-federation.toml"
 
 
-@dataclass
-class SimulationPlan:
-    """Everything a simulation needs, resolved before Ray starts."""
+def write_files(plan: Plan) -> None:
+    """Write the plan's run config and federation config into the run directory."""
+    from pflego.flower.simulation import write_toml
 
-    config: dict[str, Any]
-    out: str
-    federation: dict[str, Any]
-    run: dict[str, Any] = field(default_factory=dict)  # the server's run config (task, SecAgg+)
-    workdir: str | None = None
-    round_timeout: float = 120.0
-    timeout: float = 3600.0
-
-    def run_config(self) -> dict[str, Any]:
-        """The run config of ``flwr run --run-config`` (the app's keys only)."""
-        from pflego.config import load_config
-        from pflego.flower.records import encode_config
-
-        return {
-            "pflego-config": encode_config(load_config(self.config)),
-            "out": self.out,
-            "round-timeout": float(self.round_timeout),
-            "join-timeout": 120.0,
-            "state-dir": str(Path(self.out) / NODE_STATES),
-            "resume": False,
-            **self.run,
-        }
-
-    def write_files(self) -> tuple[Path, Path]:
-        """Write the run config and the federation config into the run directory."""
-        from pflego.flower.simulation import write_toml
-
-        out = Path(self.out)
-        return (
-            write_toml(out / RUN_CONFIG_FILE, self.run_config()),
-            write_toml(out / FEDERATION_FILE, self.federation),
-        )
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
-
-    @classmethod
-    def load(cls, path: Path) -> SimulationPlan:
-        return cls(**json.loads(path.read_text()))
+    write_toml(Path(plan.out) / RUN_CONFIG_FILE, plan.run_config())
+    write_toml(Path(plan.out) / FEDERATION_FILE, plan.federation)
 
 
 def add_simulate(commands: Any) -> None:
@@ -138,9 +95,9 @@ def add_simulate(commands: Any) -> None:
     simulate.set_defaults(handler=cmd_simulate)
 
 
-def make_simulation_plan(args: argparse.Namespace) -> SimulationPlan:
-    """Check the command (config, algorithm, resources, flags), resolve it into a
-    :class:`SimulationPlan` and write its run config and federation config."""
+def make_simulation_plan(args: argparse.Namespace) -> Plan:
+    """Check the command (config, algorithm, resources, flags), resolve it into a :class:`Plan`
+    and write its run config and federation config."""
     from pflego.config import to_dict
     from pflego.flower.simulation import Resources, federation_config
     from pflego.flower.unsupported import refuse_unsupported
@@ -160,16 +117,16 @@ def make_simulation_plan(args: argparse.Namespace) -> SimulationPlan:
         clear_flower_dir(out)
         for name in (RUN_CONFIG_FILE, FEDERATION_FILE):
             (out / name).unlink(missing_ok=True)
-    plan = SimulationPlan(
+    plan = Plan(
         to_dict(config),
         str(out),
-        federation_config(config.clients, resources),
-        server_run_config(args),
-        str(Path(args.workdir).resolve()) if args.workdir else None,
-        float(args.round_timeout),
-        float(args.timeout),
+        run=server_run_config(args),
+        workdir=str(Path(args.workdir).resolve()) if args.workdir else None,
+        round_timeout=float(args.round_timeout),
+        timeout=float(args.timeout),
+        federation=federation_config(config.clients, resources),
     )
-    plan.write_files()
+    write_files(plan)
     return plan
 
 
@@ -192,7 +149,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if os.environ.get(NETNS_MARK) == "1" and not in_private_namespace():
             raise PflegoError("the re-run meant for a private network namespace is not in one")
         try:
-            return run_simulation(SimulationPlan.load(args.plan))
+            return run_simulation(Plan.load(args.plan))
         except KeyboardInterrupt:  # the outer command reports it
             raise Interrupted("") from None
     plan = make_simulation_plan(args)
@@ -229,43 +186,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         ) from None
 
 
-def run_simulation(plan: SimulationPlan) -> int:
+def run_simulation(plan: Plan) -> int:
     """Start the SuperLink in simulation mode in this process's network namespace, run the
     experiment on Ray's virtual SuperNodes, stop everything."""
-    from pflego.cli.run import summary
-    from pflego.flower.deploy import stop_on_signals
     from pflego.flower.simulation import LocalSimulation, reap_namespace
-    from pflego.history import History
 
-    out = Path(plan.out)
-    keep = plan.workdir is not None
-    workdir = Path(plan.workdir or tempfile.mkdtemp(prefix="pflego-sim-")).resolve()
-    say = lambda line: print(f"pflego: {line}", flush=True)  # noqa: E731
     fed = plan.federation
+    started = (
+        f" on {fed['num-supernodes']} virtual SuperNodes ({fed['client-resources-num-cpus']} CPU, "
+        f"{fed['client-resources-num-gpus']:g} GPU each)"
+    )
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        with (
-            stop_on_signals() as stop,
-            LocalSimulation(workdir, fed, say, stop) as simulation,
-        ):
-            run_id = simulation.submit(plan.run_config())
-            say(
-                f"run {run_id} started on {fed['num-supernodes']} virtual SuperNodes "
-                f"({fed['client-resources-num-cpus']} CPU, {fed['client-resources-num-gpus']:g} "
-                f"GPU each); run directory {out}"
-            )
-            status = follow(simulation, run_id, out, plan.timeout, say, stop)
-            check_completed(simulation, run_id, status, out, workdir)
-    except KeyboardInterrupt:
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-        raise
+        return run_plan(
+            plan, lambda workdir, say, stop: LocalSimulation(workdir, fed, say, stop), started
+        )
     finally:
         left = reap_namespace()  # what Ray left in this private namespace; a no-op outside one
         if left:
             names = ", ".join(sorted(set(left.values())))
-            say(f"ended {len(left)} process(es) left in the private network namespace ({names})")
-    if not keep:
-        shutil.rmtree(workdir, ignore_errors=True)
-    print(summary(History.load(out)))
-    return 0
+            print(
+                f"pflego: ended {len(left)} process(es) left in the private network namespace "
+                f"({names})",
+                flush=True,
+            )

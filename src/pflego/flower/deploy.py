@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shlex
 import signal
 import socket
 import ssl
@@ -24,10 +25,10 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import tomli_w
 
@@ -90,7 +91,7 @@ def netns_available() -> bool:
 
 def netns_command(command: Sequence[str]) -> list[str]:
     """``command`` wrapped to run in a new network namespace with only loopback up."""
-    quoted = " ".join(_sh_quote(c) for c in command)
+    quoted = " ".join(shlex.quote(c) for c in command)
     return ["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {quoted}"]
 
 
@@ -117,12 +118,6 @@ def node_config_text(values: Mapping[str, Any]) -> str:
             value = json.dumps(str(value))  # a TOML basic string
         parts.append(f"{key}={value}")
     return " ".join(parts)
-
-
-def _sh_quote(text: str) -> str:
-    import shlex
-
-    return shlex.quote(text)
 
 
 def _die_with_parent() -> None:
@@ -159,18 +154,25 @@ class StopFlag:
 
 
 @contextlib.contextmanager
-def stop_on_signals() -> Iterator[StopFlag]:
-    """A :class:`StopFlag` that SIGINT and SIGTERM set (main thread; elsewhere never set)."""
-    flag = StopFlag()
+def _on_signals(handler: Any) -> Iterator[None]:
+    """SIGINT and SIGTERM go to ``handler`` inside the block (main thread; elsewhere a no-op)."""
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(ValueError):
-            previous[sig] = signal.signal(sig, lambda signum, frame: flag.event.set())
+            previous[sig] = signal.signal(sig, handler)
     try:
-        yield flag
+        yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopFlag]:
+    """A :class:`StopFlag` that SIGINT and SIGTERM set (main thread; elsewhere never set)."""
+    flag = StopFlag()
+    with _on_signals(lambda signum, frame: flag.event.set()):
+        yield flag
 
 
 def run_command(
@@ -198,20 +200,6 @@ def run_command(
             process.communicate()
 
 
-@contextlib.contextmanager
-def _signals_ignored() -> Iterator[None]:
-    """Ignore SIGINT and SIGTERM inside the block (main thread only; elsewhere a no-op)."""
-    previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(ValueError):
-            previous[sig] = signal.signal(sig, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 @dataclass
 class Daemon:
     """A process this deployment started, with its log file."""
@@ -219,11 +207,16 @@ class Daemon:
     name: str
     process: subprocess.Popen
     log: Path
-    _handle: IO[bytes] | None = field(default=None, repr=False)
 
     @property
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def kill(self) -> None:
+        """Kill its process group (a crash) and wait for it to end."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
 
     def tail(self, lines: int = 20) -> str:
         if not self.log.is_file():
@@ -293,18 +286,18 @@ class LocalDeployment:
     def _spawn(self, name: str, command: Sequence[str]) -> Daemon:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = self.logs / f"{name}.log"
-        handle = log.open("ab")
-        process = subprocess.Popen(
-            list(command),
-            env=self.env,
-            cwd=self.workdir,
-            stdin=subprocess.DEVNULL,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509  (only prctl; no locks taken)
-        )
-        daemon = Daemon(name, process, log, handle)
+        with log.open("ab") as handle:  # the child keeps its own copy of the file
+            process = subprocess.Popen(
+                list(command),
+                env=self.env,
+                cwd=self.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509  (only prctl; no locks taken)
+            )
+        daemon = Daemon(name, process, log)
         self.daemons.append(daemon)
         return daemon
 
@@ -314,12 +307,10 @@ class LocalDeployment:
         self.home.mkdir(parents=True, exist_ok=True)
         self.env = {**flower_env(self.home), **self.extra_env}
         self.port = self.port or free_port()
-        command = self.superlink_command()
-        superlink = self._spawn("superlink", command)
-        self.superlink = superlink
+        self.superlink = self._spawn("superlink", self.superlink_command())
         self.write_cli_config()
-        self.wait_healthy(superlink)
-        self.say(f"SuperLink up on 127.0.0.1:{self.port} (log {superlink.log})")
+        self.wait_healthy(self.superlink)
+        self.say(f"SuperLink up on 127.0.0.1:{self.port} (log {self.superlink.log})")
 
     def superlink_command(self) -> list[str]:
         """The SuperLink's command line: loopback ports, this deployment's database, TLS and
@@ -455,9 +446,7 @@ class LocalDeployment:
     def restart_superlink(self) -> None:
         """Kill the SuperLink with the ServerApp it runs (a server crash) and start it again on
         the same port and database; nodes that gave up meanwhile are restarted."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.superlink.process.pid, signal.SIGKILL)
-        self.superlink.process.wait(timeout=10)
+        self.superlink.kill()
         self.start_superlink()
         for k, daemon in self.nodes.items():
             if not daemon.alive:
@@ -465,17 +454,14 @@ class LocalDeployment:
 
     def kill_node(self, k: int) -> None:
         """Kill SuperNode k and the processes it started (a crash, for fault tests)."""
-        daemon = self.nodes[k]
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(daemon.process.pid, signal.SIGKILL)
-        daemon.process.wait(timeout=10)
+        self.nodes[k].kill()
 
     def stop(self) -> None:
         """End every process group this deployment started: SIGTERM, wait, then SIGKILL.
 
         A second Ctrl-C or SIGTERM during the shutdown is ignored, so it always completes.
         """
-        with _signals_ignored():
+        with _on_signals(signal.SIG_IGN):
             self._stop()
 
     def _stop(self) -> None:
@@ -493,9 +479,6 @@ class LocalDeployment:
                 os.killpg(daemon.process.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 daemon.process.wait(timeout=5)
-            if daemon._handle is not None:
-                daemon._handle.close()
-                daemon._handle = None
 
     # --- runs ---------------------------------------------------------------------------------
 
@@ -559,15 +542,17 @@ class LocalDeployment:
         except DeploymentError as exc:
             return str(exc)
 
-    def wait(self, run_id: int, timeout: float, poll: float = 2.0) -> str:
-        """Wait until the run finishes (or ``timeout`` passes); returns its last status."""
+    def wait(self, run_id: int, timeout: float, each: Callable[[], None] = lambda: None) -> str:
+        """Wait until the run finishes (or ``timeout`` passes), calling ``each`` after every look
+        at its status; returns its last status."""
         deadline = time.monotonic() + timeout
         status = "unknown"
         while time.monotonic() < deadline:
             status = self.status(run_id)
+            each()
             if status.startswith("finished"):
                 return status
             if not self.superlink.alive:
                 raise DeploymentError(f"the SuperLink exited:\n{self.superlink.tail()}")
-            self.stop_flag.sleep(poll)
+            self.stop_flag.sleep(2.0)
         return status
