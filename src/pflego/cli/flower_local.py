@@ -263,7 +263,7 @@ def _rerun_in_netns(plan: Plan, wrap, subcommand: str = "local") -> int:
         with stop_on_signals() as stop:
             child = subprocess.Popen(wrap(command), env=env)
             while child.poll() is None:
-                if stop.set:
+                if stop.is_set():
                     with contextlib.suppress(ProcessLookupError):
                         child.send_signal(signal.SIGTERM)
                     try:
@@ -272,7 +272,7 @@ def _rerun_in_netns(plan: Plan, wrap, subcommand: str = "local") -> int:
                         child.kill()
                         child.wait()
                     raise KeyboardInterrupt
-                stop.event.wait(0.2)
+                stop.wait(0.2)
             return child.returncode
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

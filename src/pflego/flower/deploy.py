@@ -126,7 +126,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-class StopFlag:
+class StopFlag(threading.Event):
     """Set by this process's own SIGINT / SIGTERM handler; every long wait polls it.
 
     The handler only sets the flag, so a signal can never interrupt the launcher halfway through
@@ -135,21 +135,9 @@ class StopFlag:
     exits with 130.
     """
 
-    def __init__(self) -> None:
-        self.event = threading.Event()
-
-    @property
-    def set(self) -> bool:
-        return self.event.is_set()
-
-    def check(self) -> None:
-        """Raise ``KeyboardInterrupt`` if a stop was requested."""
-        if self.event.is_set():
-            raise KeyboardInterrupt
-
     def sleep(self, seconds: float) -> None:
         """Sleep, or raise ``KeyboardInterrupt`` as soon as a stop is requested."""
-        if self.event.wait(seconds):
+        if self.wait(seconds):
             raise KeyboardInterrupt
 
 
@@ -171,7 +159,7 @@ def _on_signals(handler: Any) -> Iterator[None]:
 def stop_on_signals() -> Iterator[StopFlag]:
     """A :class:`StopFlag` that SIGINT and SIGTERM set (main thread; elsewhere never set)."""
     flag = StopFlag()
-    with _on_signals(lambda signum, frame: flag.event.set()):
+    with _on_signals(lambda signum, frame: flag.set()):
         yield flag
 
 
@@ -191,7 +179,7 @@ def run_command(
                 return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
             except subprocess.TimeoutExpired:
                 if stop is not None:
-                    stop.check()
+                    stop.sleep(0)
                 if time.monotonic() > deadline:
                     raise subprocess.TimeoutExpired(command, timeout) from None
     finally:

@@ -28,7 +28,7 @@ import dataclasses
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -69,8 +69,24 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+class Record:
+    """A dataclass that travels as a Flower ``ConfigRecord`` and in checkpoints: its fields, with
+    tuples as lists."""
+
+    def to_record(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+    @classmethod
+    def from_record(cls, record: Any) -> Self:
+        """Inverse of :meth:`to_record`; fields the record lacks keep their defaults."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items()}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
 @dataclass(frozen=True)
-class Task:
+class Task(Record):
     """What every client's data must fit: the model's input and the run's label space.
 
     Attributes:
@@ -117,24 +133,9 @@ class Task:
         if why is not None:
             raise DataError(f"the data of {report.site} does not fit this run: {why}")
 
-    def to_record(self) -> dict[str, Any]:
-        return {
-            "input_shape": list(self.input_shape),
-            "labels": list(self.labels),
-            "max_classes": self.max_classes,
-        }
-
-    @classmethod
-    def from_record(cls, record: Any) -> Task:
-        return cls(
-            tuple(int(s) for s in record["input_shape"]),
-            tuple(str(s) for s in record["labels"]),
-            int(record["max_classes"]),
-        )
-
 
 @dataclass(frozen=True)
-class Report:
+class Report(Record):
     """What a node says about its client in the ``query`` round (counts and names, no samples).
 
     Attributes:
@@ -158,25 +159,6 @@ class Report:
     num_classes: int = 0
     max_classes: int = 0
     other_labels: tuple[str, ...] = ()
-
-    def to_record(self) -> dict[str, Any]:
-        values = dataclasses.asdict(self)
-        values["labels"], values["input_shape"] = list(self.labels), list(self.input_shape)
-        values["other_labels"] = list(self.other_labels)
-        return values
-
-    @classmethod
-    def from_record(cls, record: Any) -> Report:
-        return cls(
-            str(record["site"]),
-            int(record["n_train"]),
-            int(record["n_test"]),
-            tuple(str(s) for s in record["labels"]),
-            tuple(int(s) for s in record["input_shape"]),
-            int(record["num_classes"]),
-            int(record["max_classes"]),
-            tuple(str(s) for s in record.get("other_labels", [])),
-        )
 
 
 def form_task(
@@ -210,7 +192,7 @@ def form_task(
 
 
 @dataclass
-class Member:
+class Member(Record):
     """A client of the population: its name, counts, labels and the round it joined."""
 
     site: str
@@ -287,16 +269,10 @@ class Population:
         ]
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "task": self.task.to_record(),
-            "members": [dataclasses.asdict(m) for m in self.members],
-        }
+        return {"task": self.task.to_record(), "members": [m.to_record() for m in self.members]}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> Population:
         population = cls(Task.from_record(state["task"]))
-        population.members = [
-            Member(m["site"], m["n_train"], m["n_test"], tuple(m["labels"]), m["joined"])
-            for m in state["members"]
-        ]
+        population.members = [Member.from_record(m) for m in state["members"]]
         return population
