@@ -222,7 +222,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
 def cmd_local(args: argparse.Namespace) -> int:
     """Run the experiment on a local deployment and write its run directory."""
     _require_flower()
-    from pflego.flower.deploy import NETNS_MARK, netns_available, netns_command
+    from pflego.flower.deploy import NETNS_MARK, netns_available
 
     if args.plan is not None:  # the re-run inside the network namespace
         try:
@@ -233,7 +233,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     try:
         if args.netns and os.environ.get(NETNS_MARK) != "1":
             if netns_available():
-                return _rerun_in_netns(plan, netns_command)
+                return _rerun_in_netns(plan)
             print("pflego: no private network namespace here; the daemons listen on 127.0.0.1 only")
         return run_local(plan)
     except KeyboardInterrupt:
@@ -243,17 +243,18 @@ def cmd_local(args: argparse.Namespace) -> int:
         ) from None
 
 
-def _rerun_in_netns(plan: Plan, wrap, subcommand: str = "local") -> int:
-    """Run the plan again (``pflego flower <subcommand> --plan FILE``) inside a new network
+def _rerun_in_netns(plan: Plan) -> int:
+    """Run the plan again (``pflego flower local|simulate --plan FILE``) inside a new network
     namespace (only loopback) and wait for it.
 
     Ctrl-C and SIGTERM only set a flag (:func:`~pflego.flower.deploy.stop_on_signals`); the wait
     polls it, passes SIGTERM on to the child (which stops its deployment) and returns 130.
     """
-    from pflego.flower.deploy import NETNS_MARK, NETNS_OUTER, stop_on_signals
+    from pflego.flower.deploy import NETNS_MARK, NETNS_OUTER, netns_command, stop_on_signals
 
     scratch = Path(tempfile.mkdtemp(prefix="pflego-flower-"))
     plan.save(scratch / "plan.json")
+    subcommand = "local" if plan.federation is None else "simulate"
     command = [sys.executable, "-m", "pflego.cli", "flower", subcommand]
     command += ["--plan", str(scratch / "plan.json")]
     env = {**os.environ, NETNS_MARK: "1", NETNS_OUTER: os.readlink("/proc/self/ns/net")}
@@ -261,7 +262,7 @@ def _rerun_in_netns(plan: Plan, wrap, subcommand: str = "local") -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH", "")) if p)
     try:
         with stop_on_signals() as stop:
-            child = subprocess.Popen(wrap(command), env=env)
+            child = subprocess.Popen(netns_command(command), env=env)
             while child.poll() is None:
                 if stop.is_set():
                     with contextlib.suppress(ProcessLookupError):

@@ -141,7 +141,7 @@ def _require_ray() -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the experiment on Flower's simulation engine and write its run directory."""
     _require_flower()
-    from pflego.flower.deploy import NETNS_MARK, app_dir, netns_available, netns_command
+    from pflego.flower.deploy import NETNS_MARK, app_dir, netns_available
 
     if args.plan is not None:  # the re-run inside the network namespace
         from pflego.flower.simulation import in_private_namespace
@@ -172,7 +172,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                     "(loopback only): Ray cannot reach any other address",
                     flush=True,
                 )
-                return _rerun_in_netns(plan, netns_command, "simulate")
+                return _rerun_in_netns(plan)
             print(
                 "pflego: no private network namespace here (`unshare -n` needs root or user "
                 "namespaces); Ray runs on this machine's network and probes outside addresses "
