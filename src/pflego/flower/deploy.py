@@ -301,33 +301,22 @@ class LocalDeployment:
         self.say(f"SuperLink up on 127.0.0.1:{self.port} (log {self.superlink.log})")
 
     def superlink_command(self) -> list[str]:
-        """The SuperLink's command line: loopback ports, this deployment's database, TLS and
-        SuperNode authentication as configured."""
+        """The SuperLink's command line: loopback ports, this deployment's database and the
+        :meth:`superlink_options`."""
         command = ["flower-superlink", "--host", "127.0.0.1", "--port", str(self.port)]
-        command += [
-            "--fleet-api-address",
-            f"127.0.0.1:{free_port()}",
-            "--control-api-address",
-            f"127.0.0.1:{free_port()}",
-            "--database",
-            str(self.workdir / "superlink.db"),
-            "--disable-runtime-dependency-installation",
-        ]
-        if self.credentials is None:
-            command.append("--insecure")
-        else:
-            c = self.credentials
-            command += [
-                "--ssl-ca-certfile",
-                str(c.ca_cert),
-                "--ssl-certfile",
-                str(c.server_cert),
-                "--ssl-keyfile",
-                str(c.server_key),
-            ]
-            if self.authenticate:
-                command.append("--enable-supernode-auth")
-        return command
+        command += ["--database", str(self.workdir / "superlink.db")]
+        return [*command, "--disable-runtime-dependency-installation", *self.superlink_options()]
+
+    def superlink_options(self) -> list[str]:
+        """Fleet and Control API on loopback; TLS and SuperNode authentication as configured."""
+        options = ["--fleet-api-address", f"127.0.0.1:{free_port()}"]
+        options += ["--control-api-address", f"127.0.0.1:{free_port()}"]
+        c = self.credentials
+        if c is None:
+            return [*options, "--insecure"]
+        options += ["--ssl-ca-certfile", str(c.ca_cert), "--ssl-certfile", str(c.server_cert)]
+        options += ["--ssl-keyfile", str(c.server_key)]
+        return options + ["--enable-supernode-auth"] * self.authenticate
 
     def write_cli_config(self) -> None:
         """``$FLWR_HOME/config.toml`` naming this SuperLink :attr:`connection`."""
@@ -384,19 +373,9 @@ class LocalDeployment:
         """
         values = dict(node_config or {"partition-id": partition, "num-partitions": partitions})
         values["state-dir"] = str(state_dir or self.workdir / "state" / f"node{k}")
-        command = [
-            "flower-supernode",
-            "--superlink",
-            f"127.0.0.1:{self.port}",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(free_port()),
-            "--max-wait-time",
-            str(max_wait),
-            "--node-config",
-            node_config_text(values),
-        ]
+        command = ["flower-supernode", "--superlink", f"127.0.0.1:{self.port}"]
+        command += ["--host", "127.0.0.1", "--port", str(free_port())]
+        command += ["--max-wait-time", str(max_wait), "--node-config", node_config_text(values)]
         if self.credentials is None:
             command.append("--insecure")
         else:
@@ -413,7 +392,6 @@ class LocalDeployment:
     def start_nodes(
         self,
         count: int,
-        partitions: int | None = None,
         sites: Sequence[Mapping[str, Any]] | None = None,
         state_root: Path | None = None,
     ) -> None:
@@ -422,13 +400,12 @@ class LocalDeployment:
 
         ``state_root`` holds each node's state folder ``node<k>`` (default ``workdir/state``).
         """
-        partitions = count if partitions is None else partitions
         configs = list(sites) if sites is not None else [None] * count
         for k, node_config in enumerate(configs):
             if self.authenticate:
                 self.register_node(k)
             state = state_root / f"node{k}" if state_root is not None else None
-            self.start_node(k, k, partitions, state_dir=state, node_config=node_config)
+            self.start_node(k, k, count, state_dir=state, node_config=node_config)
         self.say(f"{len(configs)} SuperNodes started (logs in {self.logs})")
 
     def restart_superlink(self) -> None:

@@ -175,9 +175,6 @@ class Membership:
         if new:
             self.admit(self.query(new, self.population.task, f"join-{t}"), t)
 
-    def message(self, content: RecordDict, message_type: str, node: int, group: str) -> Message:
-        return Message(content, dst_node_id=node, message_type=message_type, group_id=group)
-
     def run_record(self, **values: Any) -> ConfigRecord:
         """The ``pflego`` record of a message: the run key (nodes' state files) and more."""
         return ConfigRecord({"run": self.run_key, **values})
@@ -187,7 +184,10 @@ class Membership:
         content = RecordDict({"pflego": self.run_record()})
         if task is not None:
             content["task"] = ConfigRecord(task.to_record())
-        messages = [self.message(content, "query", node, group) for node in nodes]
+        messages = [
+            Message(content, dst_node_id=node, message_type="query", group_id=group)
+            for node in nodes
+        ]
         reports = {}
         for reply in self.grid.send_and_receive(messages, timeout=self.round_timeout):
             node = reply.metadata.src_node_id
@@ -242,7 +242,7 @@ class Membership:
         """Send each client's content to its node; returns the replies and why others are missing."""
         missing = {c: "no node holds this client" for c in contents if c not in self.nodes}
         messages = [
-            self.message(content, message_type, self.nodes[c], group)
+            Message(content, dst_node_id=self.nodes[c], message_type=message_type, group_id=group)
             for c, content in contents.items()
             if c in self.nodes
         ]

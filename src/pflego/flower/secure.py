@@ -43,7 +43,6 @@ from flwr.compat.common import recorddict_compat as compat
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.compat.grid_client_proxy import GridClientProxy
 from flwr.server.compat.legacy_context import LegacyContext
-from flwr.server.strategy import Strategy
 from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
 from flwr.server.workflow.constant import Key as WorkflowKey
@@ -176,8 +175,9 @@ def fit_reply(
 # --- the server's side -------------------------------------------------------------------------
 
 
-class _Collect(Strategy):
-    """A legacy strategy that hands SecAgg+ the round's FitIns and keeps its unmasked result."""
+class _Collect:
+    """The legacy strategy's two calls SecAgg+ makes: it hands out the round's FitIns and keeps
+    the unmasked result."""
 
     def __init__(self, instructions: list[tuple[GridClientProxy, FitIns]]) -> None:
         self.instructions = instructions
@@ -189,18 +189,6 @@ class _Collect(Strategy):
     def aggregate_fit(self, server_round, results, failures):
         self.results = [(proxy.node_id, res) for proxy, res in results]
         return None, {}
-
-    def initialize_parameters(self, client_manager):  # noqa: D102  (unused by SecAgg+)
-        return None
-
-    def configure_evaluate(self, server_round, parameters, client_manager):  # noqa: D102
-        return []
-
-    def aggregate_evaluate(self, server_round, results, failures):  # noqa: D102
-        return None, {}
-
-    def evaluate(self, server_round, parameters):  # noqa: D102
-        return None
 
 
 @dataclass

@@ -2,24 +2,10 @@
 
 A SuperNode started with ``--node-config "data=/path format=imagefolder|npz|csv|idx"`` serves
 the data at that path instead of a partition of a global dataset. Labels are names (strings);
-the run's label space maps them to global ids (see :mod:`pflego.flower.population`).
-
-Formats (``train``/``test`` parts where the format has them; a single part is split at random
-into train and test with the run's ``test_fraction``, seeded by the run's seed and the site's
-name, so the split is the same in every process):
-
-- ``imagefolder``: a folder of class sub-folders of images (``DIR/<label>/*.png``), or
-  ``DIR/train/<label>/...`` and ``DIR/test/<label>/...``. The folder name is the label. Images
-  are ordered by file name (then label); grayscale images give 1 channel, RGB 3; every image must
-  have the same size and mode. Decoded arrays are cached (``$PFLEGO_CACHE``).
-- ``npz``: a file with ``x`` and ``y``, or ``x_train``, ``y_train``, ``x_test``, ``y_test``.
-- ``csv``: a file with a header row, one column of labels (``label-column``, default ``label``)
-  and numeric features in every other column; or a folder with ``train.csv`` and ``test.csv``.
-- ``idx``: a folder with MNIST-style files ``train-images-idx3-ubyte`` and
-  ``train-labels-idx1-ubyte`` (optionally ``.gz``), and optionally the ``t10k-`` test pair.
-
-Integer images (uint8) are scaled by 1/255 as the registered image datasets are; other inputs are
-used as they are.
+the run's label space maps them to global ids (see :mod:`pflego.flower.population`). The formats,
+the train/test split of data with a single part (seeded by the run's seed and the site's name, so
+the same in every process) and the scaling of uint8 inputs by 1/255 are described in
+``docs/flower.md`` ("Site data").
 """
 
 from __future__ import annotations
@@ -219,10 +205,7 @@ def _csv(path: Path, label_column: str) -> SiteArrays:
 
 
 def _idx_file(folder: Path, stem: str) -> Path | None:
-    for name in (stem, stem + ".gz"):
-        if (folder / name).is_file():
-            return folder / name
-    return None
+    return next((folder / n for n in (stem, stem + ".gz") if (folder / n).is_file()), None)
 
 
 def _idx(path: Path) -> SiteArrays:
