@@ -15,11 +15,12 @@ import torch
 
 pytest.importorskip("flwr", exc_type=ImportError)
 
+from flower_inprocess import InProcessGrid  # noqa: E402
+
 from pflego.algorithms import ALGORITHMS, Algorithm  # noqa: E402
 from pflego.config import load_config, read_yaml  # noqa: E402
 from pflego.errors import ConfigError, DataError  # noqa: E402
 from pflego.flower.apps import client_app  # noqa: E402
-from pflego.flower.inprocess import InProcessGrid  # noqa: E402
 from pflego.flower.node import SiteSource, StateFiles  # noqa: E402
 from pflego.flower.population import Report, Task, form_task, label_space  # noqa: E402
 from pflego.flower.secure import SecureAggregation  # noqa: E402

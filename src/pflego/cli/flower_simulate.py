@@ -1,18 +1,10 @@
 """``pflego flower simulate``: an experiment on Flower's simulation engine (Ray).
 
-``pflego flower simulate [run flags]`` checks the experiment as ``pflego run`` would, writes its
-run config (``flower-run-config.toml``) and federation config (``flower-federation.toml``: one
-virtual SuperNode per client on Ray, with ``--cpus-per-client`` and ``--gpus-per-client``) into
-the run directory, starts a SuperLink in simulation mode on 127.0.0.1, submits the run with
-``flwr run <pflego app> local-simulation``, echoes its progress, writes the same run directory as
-``pflego flower local`` and stops every process it started (exit code 130 on Ctrl-C or
-SIGTERM). Virtual SuperNode k holds partition k (``partition-id=k``), and the ServerApp and the
-ClientApp are those of a deployment (:mod:`pflego.flower.apps`).
-
-Ray probes addresses off the machine when it starts, so where the machine allows (root or user
-namespaces) the whole simulation runs inside a private network namespace with only a loopback
-interface, and every process left in it is ended at the end. ``--dry-run`` writes the two files
-and prints the ``flwr run`` command without starting anything.
+It checks the experiment as ``pflego run`` would, writes its run config and federation config
+(one virtual SuperNode per client, :mod:`pflego.flower.simulation`) into the run directory, runs
+it on a SuperLink in simulation mode, inside a private network namespace where the machine allows
+(Ray probes outside addresses when it starts), and writes the same run directory as ``pflego
+flower local``. ``--dry-run`` writes the two files and prints the ``flwr run`` command only.
 
 This module imports neither flwr, Ray nor torch at import time.
 """

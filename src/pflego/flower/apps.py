@@ -1,25 +1,10 @@
 """The Flower apps: one ServerApp and one ClientApp for every registered algorithm.
 
 Point a Flower app's ``[tool.flwr.app.components]`` at ``pflego.flower.apps:server_app`` and
-``pflego.flower.apps:client_app`` (the app folder shipped in ``pflego/flower/app`` does).
-
-Run config (``[tool.flwr.app.config]``, overridden with ``flwr run --run-config``):
-    ``pflego-config``: the experiment config, base64 JSON (:func:`~pflego.flower.records.encode_config`);
-        its ``clients`` is how many nodes the server waits for before the first round.
-    ``out``: the run directory on the ServerApp's machine (absolute path).
-    ``round-timeout``: seconds to wait for one round's replies.
-    ``join-timeout``: seconds to wait at the start for ``clients`` nodes.
-    ``state-dir``: where nodes save client states when their node config names none.
-    ``resume``: continue the run in ``out`` from its checkpoint.
-    ``input-shape``, ``label-names``: the model's input shape (``1,28,28``) and the run's label names
-        (``cat,dog``); empty: learned from the nodes' reports.
-    ``secure-aggregation``: sum the uploads with SecAgg+ (``secagg-clipping-range``,
-        ``secagg-quantization-range``, ``secagg-threshold``; see :mod:`pflego.flower.secure`).
-
-Node config (``flower-supernode --node-config``): either the site's own data,
-``data=/path format=imagefolder|npz|csv|idx`` with optional ``label-column=label`` (csv) and
-``site=NAME`` (the client's stable name; default ``<host>:<path>``), or a partition of the run's
-dataset, ``partition-id=i num-partitions=I``; and optionally ``state-dir``.
+``pflego.flower.apps:client_app`` (the app folder shipped in ``pflego/flower/app`` does). Their
+run config (``[tool.flwr.app.config]``, overridden with ``flwr run --run-config``) and node config
+(``flower-supernode --node-config``: a site's own data or a partition of the run's dataset) are
+listed in ``docs/flower.md`` ("Configuration").
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """The population a Flower server learns from its nodes, and the task every node must fit.
 
-The server never loads data. In a first ``query`` round every node reports its client: a stable
-name (``site``), its training and test sample counts and its label set, the shape of one input,
-and in partition mode the dataset's label count and the partition's K_max. Never samples. From
-these reports the server forms
-
-- the **task**: the model's input shape, the run's label space (label names; a label's global id
-  is its position) and K_max, the width of personal heads over local classes. Each is taken from
-  the run config where it is declared there, else from the reports;
-- the **population**: client ids 0..I-1 in the order the clients joined (the first reports sorted
-  by name, so in partition mode client i is partition i), each client's N_i, and N = sum N_i.
-
-Late joiners. A node that appears after the first round is queried at the start of the next round
-and, if its data fits the task, appended with the next id. From that round on the population has
-I' = I + 1 clients and N' = N + N_new: every client's weight becomes alpha_i = N_i / N' (the
-earlier clients' weights shrink by N / N') and PFLEGO's inclusion factor is I'/r' with
-r' = round(p I') (fixed cohorts) or p I' (Bernoulli). Each round's step is therefore an unbiased
-estimate of the gradient of the objective of the population known in that round,
-L_t = sum_{i known at t} (N_i / N_t) l_i; rounds before a client joined estimated the objective
-without it. The task never changes: a late node whose input shape differs, whose labels are not in
-the run's label space, or who has more classes than K_max is refused with the reason.
+The server never loads data. In a first ``query`` round every node reports its client (a stable
+name, its sample counts, its label set and input shape; never a sample), from which the server
+forms the **task** (input shape, label space, K_max; each from the run config where declared
+there) and the **population** (client ids 0..I-1 in name order, each N_i, N = sum N_i). A late
+joiner whose data fits the task is appended with the next id: from that round on every weight is
+alpha_i = N_i / N' over the population known in that round, so each round's step estimates the
+gradient of that population's objective L_t = sum_{i known at t} (N_i / N_t) l_i. The task never
+changes. ``docs/flower.md`` ("A server without data") has the details.
 """
 
 from __future__ import annotations

@@ -42,7 +42,6 @@ class SiteArrays:
     y_train: np.ndarray
     x_test: np.ndarray | None
     y_test: np.ndarray | None
-    source: str
 
     @property
     def scale(self) -> float:
@@ -142,7 +141,7 @@ def _imagefolder(path: Path) -> SiteArrays:
         return arrays
 
     a = cached_arrays("site-imagefolder", 1, [path], decode)
-    return SiteArrays(a["x_train"], a["y_train"], a.get("x_test"), a.get("y_test"), str(path))
+    return SiteArrays(a["x_train"], a["y_train"], a.get("x_test"), a.get("y_test"))
 
 
 def _npz(path: Path) -> SiteArrays:
@@ -160,10 +159,9 @@ def _npz(path: Path) -> SiteArrays:
             _labels(arrays["y_train"]),
             x_test,
             None if y_test is None else _labels(y_test),
-            str(path),
         )
     if {"x", "y"} <= set(arrays):
-        return SiteArrays(arrays["x"], _labels(arrays["y"]), None, None, str(path))
+        return SiteArrays(arrays["x"], _labels(arrays["y"]), None, None)
     raise DataError(
         f"{path} holds {', '.join(sorted(arrays)) or 'nothing'}; it needs x and y "
         "(or x_train, y_train, x_test, y_test)"
@@ -199,9 +197,9 @@ def _csv(path: Path, label_column: str) -> SiteArrays:
             raise DataError(f"{path} has no train.csv (and test.csv); or point data= at one file")
         x, y = _csv_part(train, label_column)
         xt, yt = _csv_part(test, label_column) if test.is_file() else (None, None)
-        return SiteArrays(x, y, xt, yt, str(path))
+        return SiteArrays(x, y, xt, yt)
     x, y = _csv_part(path, label_column)
-    return SiteArrays(x, y, None, None, str(path))
+    return SiteArrays(x, y, None, None)
 
 
 def _idx_file(folder: Path, stem: str) -> Path | None:
@@ -221,7 +219,7 @@ def _idx(path: Path) -> SiteArrays:
             f"{path} has no train-images-idx3-ubyte(.gz) and train-labels-idx1-ubyte(.gz)"
         )
     x_test, y_test = parts.get("test", (None, None))
-    return SiteArrays(*parts["train"], x_test, y_test, str(path))
+    return SiteArrays(*parts["train"], x_test, y_test)
 
 
 # --- the site's client ----------------------------------------------------------------------
