@@ -3,7 +3,8 @@
 It passes real Flower ``Message`` objects between :class:`~pflego.flower.server.FlowerServer` and
 :data:`~pflego.flower.apps.client_app`, with one ``Context`` per node, so the whole Flower path
 (records, ClientApp, server loop) runs without daemons. Tests use it to compare with the
-simulator; ``drop`` simulates nodes that fail or never answer.
+simulator; ``drop`` simulates nodes that fail or never answer. :func:`load_node` gives one
+partition's node directly.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from pflego.config import Config
+from pflego.flower.node import ClientNode, PartitionSource
 from pflego.flower.records import encode_config
 
 RUN_ID = 1
@@ -103,3 +105,9 @@ class InProcessGrid:
             except Exception:  # noqa: BLE001  (a failing ClientApp becomes an error reply)
                 replies.append(Message(Error(0, traceback.format_exc()), reply_to=message))
         return replies
+
+
+def load_node(config: Config, partition: int) -> ClientNode:
+    """The node of partition ``partition`` as client ``partition`` (the run's own task)."""
+    source = PartitionSource(config, partition)
+    return source.node(partition, source.task)

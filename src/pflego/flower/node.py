@@ -251,12 +251,6 @@ def local_privacy(config: Config, noise: float | None) -> Privacy | None:
     return Privacy(config.dp_clip, accountant, config.seed, ())
 
 
-def load_node(config: Config, partition: int) -> ClientNode:
-    """The node of partition ``partition`` as client ``partition`` (the run's own task)."""
-    source = PartitionSource(config, partition)
-    return source.node(partition, source.task)
-
-
 class StateFiles:
     """Client states on the node's disk, one file per (run, client, round), written atomically.
 

@@ -80,8 +80,6 @@ class Resources:
 def federation_config(nodes: int, resources: Resources) -> dict[str, Any]:
     """The federation config (``flwr run --federation-config``) of a simulation: ``nodes``
     virtual SuperNodes on Ray with ``resources``."""
-    if nodes < 1:
-        raise ConfigError(f"a simulation needs at least 1 virtual SuperNode, not {nodes}")
     values: dict[str, Any] = {
         "num-supernodes": int(nodes),
         "backend": "ray",
