@@ -33,7 +33,6 @@ from pflego.flower.records import (
     client_out_to_record,
     context_from_record,
     decode_config,
-    metrics_to_record,
     params_from_record,
     params_to_record,
 )
@@ -163,7 +162,9 @@ def train(message: Message, context: Context) -> Message:
     content = RecordDict(
         {
             "out": client_out_to_record(out),
-            "metrics": metrics_to_record({**out.metrics, "client": node.client}),
+            "metrics": MetricRecord(  # scalars as floats, for Flower's logs
+                {k: float(v) for k, v in {**out.metrics, "client": node.client}.items()}
+            ),
             "pflego": ConfigRecord({"client": node.client, "finite": finite}),
         }
     )

@@ -284,25 +284,14 @@ class Site:
         task.check(self.report())
         ids = {name: k for k, name in enumerate(task.labels)}
         y = {split: np.array([ids[n] for n in names], np.int64) for split, names in self.y.items()}
+        pool = ["train", "val"] if "val" in self.x else ["train"]  # validation rows follow
+        x_pool, y_pool = (np.concatenate([part[split] for split in pool]) for part in (self.x, y))
         raw = ArrayDataset(
-            self.name,
-            self.x["train"],
-            y["train"],
-            self.x["test"],
-            y["test"],
-            task.num_classes,
-            self.scale,
+            self.name, x_pool, y_pool, self.x["test"], y["test"], task.num_classes, self.scale
         )
-        if "val" in self.x:  # the validation rows follow the training rows in one pool
-            raw.x_train = np.concatenate([self.x["train"], self.x["val"]])
-            raw.y_train = np.concatenate([y["train"], y["val"]])
-        n_train, n_val = len(y["train"]), len(y.get("val", ()))
-        data = from_parts(
-            raw,
-            [np.arange(n_train)],
-            [np.arange(len(y["test"]))],
-            val_parts=[np.arange(n_train, n_train + n_val)] if "val" in self.x else None,
-        )
+        n_train = len(y["train"])
+        val = [np.arange(n_train, len(y_pool))] if "val" in self.x else None
+        data = from_parts(raw, [np.arange(n_train)], [np.arange(len(y["test"]))], val_parts=val)
         width = data.client_classes.shape[1]
         if width < task.max_classes:
             pad = torch.full((1, task.max_classes - width), -1, dtype=torch.int64)

@@ -65,14 +65,9 @@ def status_line(event: dict[str, Any]) -> str:
         f"{event.get('population', '?')}, answered {len(event.get('answered', []))}, "
         f"failed {len(missing)}"
         + (f" ({failed})" if failed else "")
-        + f"; down {megabytes(event.get('bytes_down', 0))}, up "
-        f"{megabytes(event.get('bytes_up', 0))}; {phases}"
+        + f"; down {event.get('bytes_down', 0) / 1e6:.3f} MB, up "
+        f"{event.get('bytes_up', 0) / 1e6:.3f} MB; {phases}"
     )
-
-
-def megabytes(count: int) -> str:
-    """A byte count in megabytes, as the status line writes it (``1.234 MB``)."""
-    return f"{count / 1e6:.3f} MB"
 
 
 def log_event(run_dir: RunDir | None, event: dict[str, Any]) -> None:
