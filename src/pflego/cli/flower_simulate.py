@@ -34,14 +34,6 @@ RUN_CONFIG_FILE = "flower-run-config.toml"
 FEDERATION_FILE = "flower-federation.toml"
 
 
-def write_files(plan: Plan) -> None:
-    """Write the plan's run config and federation config into the run directory."""
-    from pflego.flower.simulation import write_toml
-
-    write_toml(Path(plan.out) / RUN_CONFIG_FILE, plan.run_config())
-    write_toml(Path(plan.out) / FEDERATION_FILE, plan.federation)
-
-
 def add_simulate(commands: Any) -> None:
     """``pflego flower simulate``: the flags of ``pflego run``, of the server and of Ray."""
     simulate = commands.add_parser(
@@ -91,7 +83,7 @@ def make_simulation_plan(args: argparse.Namespace) -> Plan:
     """Check the command (config, algorithm, resources, flags), resolve it into a :class:`Plan`
     and write its run config and federation config."""
     from pflego.config import to_dict
-    from pflego.flower.simulation import Resources, federation_config
+    from pflego.flower.simulation import Resources, federation_config, write_toml
     from pflego.flower.unsupported import refuse_unsupported
     from pflego.sim import build_experiment, default_out
 
@@ -118,7 +110,8 @@ def make_simulation_plan(args: argparse.Namespace) -> Plan:
         timeout=float(args.timeout),
         federation=federation_config(config.clients, resources),
     )
-    write_files(plan)
+    write_toml(out / RUN_CONFIG_FILE, plan.run_config())
+    write_toml(out / FEDERATION_FILE, plan.federation)
     return plan
 
 

@@ -467,22 +467,12 @@ class LocalDeployment:
             )
         return done.stdout
 
-    def submit(self, run_config: Mapping[str, Any], app: Path | None = None) -> int:
+    def submit(self, run_config: Mapping[str, Any]) -> int:
         """Start a run of the pflego app with ``run_config``; returns the run id."""
         overrides = self.workdir / f"run-config-{time.time_ns()}.toml"
         overrides.write_text(tomli_w.dumps(dict(run_config)))
-        output = self.flwr(
-            [
-                "run",
-                str(app or app_dir()),
-                self.connection,
-                "--run-config",
-                str(overrides),
-                "--format",
-                "json",
-                *self.run_options(),
-            ]
-        )
+        run = ["run", str(app_dir()), self.connection, "--run-config", str(overrides)]
+        output = self.flwr([*run, "--format", "json", *self.run_options()])
         try:
             answer = json.loads(output[output.index("{") :])
             return int(answer["run-id"])
