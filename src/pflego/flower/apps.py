@@ -130,12 +130,20 @@ def keep_state(context: Context, run: str, client: int, t: int, state: ClientSta
     context.state[STATE_TAG] = ConfigRecord({"run": run, "client": client, "round": t})
 
 
-def train_client(records: dict[str, Any], downlink, context: Context):
-    """Run the client's round; keep its new state when the update is finite."""
+def client_round(
+    records: dict[str, Any], downlink, context: Context
+) -> tuple[ClientNode, ClientState, RoundContext]:
+    """This node's client for a round's records, its state before the round and the round's
+    context."""
     node = round_node(records, context)
     ctx = context_from_record(records["ctx"])
+    return node, load_state(context, node, str(records["pflego"]["run"]), downlink, ctx), ctx
+
+
+def train_client(records: dict[str, Any], downlink, context: Context):
+    """Run the client's round; keep its new state when the update is finite."""
+    node, state, ctx = client_round(records, downlink, context)
     run = str(records["pflego"]["run"])
-    state = load_state(context, node, run, downlink, ctx)
     out, new_state = node.train(downlink, state, ctx)
     finite = tree.all_finite(out.upload, new_state, {"weight": torch.as_tensor(out.weight)})
     if finite:  # a non-finite update is dropped, as in the simulator: the old state stays
@@ -186,10 +194,8 @@ def train_secure(message: Message, context: Context) -> Message:
 def evaluate(message: Message, context: Context) -> Message:
     """Evaluate the client's personalized model on its train and test data."""
     records = {k: message.content[k] for k in ("pflego", "task", "ctx")}
-    node = round_node(records, context)
     downlink = params_from_record(message.content["downlink"])
-    ctx = context_from_record(records["ctx"])
-    state = load_state(context, node, str(records["pflego"]["run"]), downlink, ctx)
+    node, state, ctx = client_round(records, downlink, context)
     row = node.evaluate(downlink, state, ctx)
     content = RecordDict(
         {
@@ -222,11 +228,11 @@ def main(grid: Grid, context: Context) -> None:
     """Run the experiment of the run config on the connected nodes and write its run directory."""
     from pflego.flower.server import FlowerServer
 
-    logging.getLogger("pflego.flower").setLevel(logging.INFO)
-    if not logging.getLogger("pflego.flower").handlers:
+    log.setLevel(logging.INFO)
+    if not log.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("pflego %(levelname)s: %(message)s"))
-        logging.getLogger("pflego.flower").addHandler(handler)
+        log.addHandler(handler)
     run = dict(context.run_config)
     config = decode_config(str(run["pflego-config"]))
     out = str(run.get("out", "") or config.out or "")

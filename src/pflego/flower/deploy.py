@@ -340,14 +340,6 @@ class LocalDeployment:
             self.stop_flag.sleep(0.3)
         raise DeploymentError(f"the SuperLink gave no health answer in {self.start_timeout:g} s")
 
-    def register_node(self, k: int) -> None:
-        """Register SuperNode k's public key with the SuperLink."""
-        assert self.credentials is not None
-        self.flwr(
-            ["supernode", "register", str(self.credentials.node_public_key(k)), self.connection],
-            timeout=60,
-        )
-
     def start_node(
         self,
         k: int,
@@ -402,8 +394,9 @@ class LocalDeployment:
         """
         configs = list(sites) if sites is not None else [None] * count
         for k, node_config in enumerate(configs):
-            if self.authenticate:
-                self.register_node(k)
+            if self.authenticate:  # register its public key with the SuperLink
+                public_key = str(self.credentials.node_public_key(k))
+                self.flwr(["supernode", "register", public_key, self.connection], timeout=60)
             state = state_root / f"node{k}" if state_root is not None else None
             self.start_node(k, k, count, state_dir=state, node_config=node_config)
         self.say(f"{len(configs)} SuperNodes started (logs in {self.logs})")

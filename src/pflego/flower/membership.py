@@ -1,9 +1,8 @@
 """How a Flower server learns its population from the nodes, and admits nodes that come later.
 
-The server holds no data. A first ``query`` round asks every online node for its client's sample
-counts and label set, from which it forms the task (input shape, label space, K_max), I, N and
-each N_i (:mod:`.population`), builds the algorithm and its initial server state; a node whose
-data does not fit the task is told why and left out. Nodes that come online later (late joiners,
+A first ``query`` round forms the task and the population from the nodes' reports
+(:mod:`.population`) and builds the algorithm and its initial server state; a node whose data
+does not fit the task is told why and left out. Nodes that come online later (late joiners,
 restarted nodes) are queried and join at the start of the next round. With differential privacy
 (``dp_clip``, :mod:`pflego.privacy`) the server builds the accountant and the sensitivity from
 the population's reported sample counts; the accountant describes the population formed in the
