@@ -1,6 +1,6 @@
 """Flower adapter, fast tier: site data, a server without data, late joiners, resume, SecAgg+.
 
-Everything runs in process (:class:`~pflego.flower.inprocess.InProcessGrid`): real Flower
+Everything runs in process (:class:`~flower_inprocess.InProcessGrid`): real Flower
 messages between the server loop and the ClientApp, no daemons.
 """
 

@@ -53,6 +53,9 @@ def _require_flower() -> None:
 #: same deployment (and its nodes find their clients' states under ``flower-nodes``).
 PLAN_FILE = "flower-local.json"
 NODE_STATES = "flower-nodes"
+#: The run config and federation config that ``pflego flower simulate`` writes into the run.
+RUN_CONFIG_FILE = "flower-run-config.toml"
+FEDERATION_FILE = "flower-federation.toml"
 
 
 @dataclass
@@ -156,7 +159,7 @@ def clear_flower_dir(out: Path) -> None:
     """Remove the files of the run that ``--overwrite`` replaces, the nodes' states included."""
     from pflego.history import RUN_OUTPUTS
 
-    for name in (*RUN_OUTPUTS, "flower.jsonl", PLAN_FILE):
+    for name in (*RUN_OUTPUTS, "flower.jsonl", PLAN_FILE, RUN_CONFIG_FILE, FEDERATION_FILE):
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / NODE_STATES, ignore_errors=True)
 
@@ -172,11 +175,33 @@ def flower_resume_rounds(args: argparse.Namespace) -> int | None:
     return resume_rounds(args, given, f"its config.yaml and {PLAN_FILE}")
 
 
+def new_plan(args: argparse.Namespace, config: Config, **fields: Any) -> Plan:
+    """The plan of a new run of ``config`` in ``--out`` (refused when that holds a run, unless
+    ``--overwrite``), with the server's flags; its data is checked before anything starts."""
+    from pflego.config import to_dict
+    from pflego.sim import build_experiment, default_out
+
+    out = Path(args.out or config.out or default_out(config)).expanduser().resolve()
+    check_new_flower_dir(out, args.overwrite)
+    if fields.get("sites") is None:
+        build_experiment(config)  # fail on a bad config or missing data before anything starts
+    if args.overwrite:
+        clear_flower_dir(out)
+    return Plan(
+        to_dict(config),
+        str(out),
+        run=server_run_config(args),
+        workdir=str(Path(args.workdir).resolve()) if args.workdir else None,
+        round_timeout=float(args.round_timeout),
+        timeout=float(args.timeout),
+        **fields,
+    )
+
+
 def make_plan(args: argparse.Namespace) -> Plan:
     """Check the command (config, algorithm, sites, flags) and resolve it into a :class:`Plan`."""
     from pflego.config import load_config, read_yaml, to_dict
     from pflego.flower.unsupported import refuse_unsupported
-    from pflego.sim import build_experiment, default_out
 
     if args.resume is not None:
         rounds = flower_resume_rounds(args)
@@ -192,8 +217,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
         return plan
     config = flower_config(args)
     refuse_unsupported(config, args.secure_aggregation)
-    out = Path(args.out or config.out or default_out(config)).expanduser().resolve()
-    check_new_flower_dir(out, args.overwrite)
     sites = None
     if args.sites:
         from pflego.flower.sitedata import read_site
@@ -201,22 +224,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         sites = site_configs(args.sites, args.site_format, args.label_column)
         for site in sites:  # one-line errors before any daemon starts (and a warm cache)
             read_site(site["data"], site["format"], site["label-column"])
-    else:
-        build_experiment(config)  # fail on a bad config or missing data before any daemon starts
-    if args.overwrite:
-        clear_flower_dir(out)
-    return Plan(
-        to_dict(config),
-        str(out),
-        sites,
-        server_run_config(args),
-        args.tls,
-        args.auth,
-        str(Path(args.certs).resolve()) if args.certs else None,
-        str(Path(args.workdir).resolve()) if args.workdir else None,
-        float(args.round_timeout),
-        float(args.timeout),
-    )
+    certs = str(Path(args.certs).resolve()) if args.certs else None
+    return new_plan(args, config, sites=sites, tls=args.tls, auth=args.auth, certs=certs)
 
 
 def cmd_local(args: argparse.Namespace) -> int:

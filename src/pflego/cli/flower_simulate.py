@@ -17,21 +17,19 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pflego.cli.flags import add_flag, add_flags, add_run_flags, add_server_flags, server_run_config
+from pflego.cli.flags import add_flag, add_flags, add_run_flags, add_server_flags
 from pflego.cli.flower_local import (
+    FEDERATION_FILE,
+    RUN_CONFIG_FILE,
     Plan,
     _require_flower,
     _rerun_in_netns,
-    check_new_flower_dir,
-    clear_flower_dir,
     flower_config,
+    new_plan,
     run_plan,
 )
 from pflego.cli.session import Interrupted
 from pflego.errors import ConfigError, PflegoError
-
-RUN_CONFIG_FILE = "flower-run-config.toml"
-FEDERATION_FILE = "flower-federation.toml"
 
 
 def add_simulate(commands: Any) -> None:
@@ -82,10 +80,8 @@ def add_simulate(commands: Any) -> None:
 def make_simulation_plan(args: argparse.Namespace) -> Plan:
     """Check the command (config, algorithm, resources, flags), resolve it into a :class:`Plan`
     and write its run config and federation config."""
-    from pflego.config import to_dict
     from pflego.flower.simulation import Resources, federation_config, write_toml
     from pflego.flower.unsupported import refuse_unsupported
-    from pflego.sim import build_experiment, default_out
 
     config = flower_config(args)
     refuse_unsupported(config, args.secure_aggregation)
@@ -94,24 +90,9 @@ def make_simulation_plan(args: argparse.Namespace) -> Plan:
     for flag, value in (("--round-timeout", args.round_timeout), ("--timeout", args.timeout)):
         if not value > 0:
             raise ConfigError(f"{flag}={value:g} must be above 0 seconds")
-    out = Path(args.out or config.out or default_out(config)).expanduser().resolve()
-    check_new_flower_dir(out, args.overwrite)
-    build_experiment(config)  # fail on a bad config or missing data before Ray starts
-    if args.overwrite:
-        clear_flower_dir(out)
-        for name in (RUN_CONFIG_FILE, FEDERATION_FILE):
-            (out / name).unlink(missing_ok=True)
-    plan = Plan(
-        to_dict(config),
-        str(out),
-        run=server_run_config(args),
-        workdir=str(Path(args.workdir).resolve()) if args.workdir else None,
-        round_timeout=float(args.round_timeout),
-        timeout=float(args.timeout),
-        federation=federation_config(config.clients, resources),
-    )
-    write_toml(out / RUN_CONFIG_FILE, plan.run_config())
-    write_toml(out / FEDERATION_FILE, plan.federation)
+    plan = new_plan(args, config, federation=federation_config(config.clients, resources))
+    write_toml(Path(plan.out) / RUN_CONFIG_FILE, plan.run_config())
+    write_toml(Path(plan.out) / FEDERATION_FILE, plan.federation)
     return plan
 
 
