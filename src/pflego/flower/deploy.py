@@ -192,7 +192,6 @@ def run_command(
 class Daemon:
     """A process this deployment started, with its log file."""
 
-    name: str
     process: subprocess.Popen
     log: Path
 
@@ -285,7 +284,7 @@ class LocalDeployment:
                 start_new_session=True,
                 preexec_fn=_die_with_parent,  # noqa: PLW1509  (only prctl; no locks taken)
             )
-        daemon = Daemon(name, process, log)
+        daemon = Daemon(process, log)
         self.daemons.append(daemon)
         return daemon
 

@@ -310,13 +310,12 @@ def write_site(
     y_train: np.ndarray,
     x_test: np.ndarray,
     y_test: np.ndarray,
-    label_column: str = "label",
 ) -> Path:
     """Write one site's train and test parts in format ``fmt``; returns the path for ``data=``.
 
     ``imagefolder`` and ``idx`` take uint8 images ``[n, C, H, W]`` (C = 1 or 3; idx: C = 1);
     ``npz`` writes ``folder/data.npz``; ``csv`` writes ``train.csv`` and ``test.csv`` with the
-    flattened inputs as features. Samples keep their order (image files are numbered).
+    flattened inputs as features and a ``label`` column. Samples keep their order (image files are numbered).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -340,7 +339,7 @@ def write_site(
             flat = x.reshape(len(x), -1)
             with (folder / f"{split}.csv").open("w", newline="") as f:
                 writer = csv.writer(f)
-                writer.writerow([f"x{j}" for j in range(flat.shape[1])] + [label_column])
+                writer.writerow([f"x{j}" for j in range(flat.shape[1])] + ["label"])
                 writer.writerows(
                     [*map(repr, map(float, row)), label] for row, label in zip(flat, y)
                 )
