@@ -21,6 +21,7 @@ from conftest import approx_numbers
 
 pytest.importorskip("flwr", exc_type=ImportError)
 
+from flower_inprocess import InProcessGrid, load_node  # noqa: E402
 from flwr.app import RecordDict  # noqa: E402
 
 from pflego import tree  # noqa: E402
@@ -28,8 +29,6 @@ from pflego.algorithms import ALGORITHMS, Algorithm  # noqa: E402
 from pflego.config import load_config  # noqa: E402
 from pflego.flower import records  # noqa: E402
 from pflego.flower.apps import STATE_KEY, client_app  # noqa: E402
-from pflego.flower.inprocess import InProcessGrid  # noqa: E402
-from pflego.flower.node import load_node  # noqa: E402
 from pflego.flower.server import FlowerServer  # noqa: E402
 from pflego.history import RunDir  # noqa: E402
 from pflego.sim import Simulation, build_experiment  # noqa: E402

@@ -1,6 +1,6 @@
 """Flower adapter, fast tier: site data, a server without data, late joiners, resume, SecAgg+.
 
-Everything runs in process (:class:`~pflego.flower.inprocess.InProcessGrid`): real Flower
+Everything runs in process (:class:`~flower_inprocess.InProcessGrid`): real Flower
 messages between the server loop and the ClientApp, no daemons.
 """
 
@@ -15,11 +15,12 @@ import torch
 
 pytest.importorskip("flwr", exc_type=ImportError)
 
+from flower_inprocess import InProcessGrid  # noqa: E402
+
 from pflego.algorithms import ALGORITHMS, Algorithm  # noqa: E402
 from pflego.config import load_config, read_yaml  # noqa: E402
 from pflego.errors import ConfigError, DataError  # noqa: E402
 from pflego.flower.apps import client_app  # noqa: E402
-from pflego.flower.inprocess import InProcessGrid  # noqa: E402
 from pflego.flower.node import SiteSource, StateFiles  # noqa: E402
 from pflego.flower.population import Report, Task, form_task, label_space  # noqa: E402
 from pflego.flower.secure import SecureAggregation  # noqa: E402

@@ -255,10 +255,10 @@ def test_the_cli_runs_with_privacy_and_logs_epsilon_every_evaluation(tmp_path, c
 @pytest.mark.parametrize("local", [False, True])
 def test_flower_gives_the_simulators_private_numbers(tmp_path, local):
     pytest.importorskip("flwr", exc_type=ImportError)
+    from flower_inprocess import InProcessGrid
     from test_flower import simulate, small_config, without_seconds
 
     from pflego.flower.apps import client_app
-    from pflego.flower.inprocess import InProcessGrid
     from pflego.flower.server import FlowerServer
 
     config = small_config("pflego", dp_clip=0.5, dp_noise=0.8, dp_local=local)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -26,11 +27,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from pflego.cli.flags import resume_rounds, server_run_config, settings_from_args
 from pflego.cli.run import summary
@@ -39,6 +39,7 @@ from pflego.errors import ConfigError, DivergedError, PflegoError
 
 if TYPE_CHECKING:
     from pflego.config import Config
+    from pflego.flower.deploy import LocalDeployment, StopFlag
 
 
 def _require_flower() -> None:
@@ -52,11 +53,18 @@ def _require_flower() -> None:
 #: same deployment (and its nodes find their clients' states under ``flower-nodes``).
 PLAN_FILE = "flower-local.json"
 NODE_STATES = "flower-nodes"
+#: The run config and federation config that ``pflego flower simulate`` writes into the run.
+RUN_CONFIG_FILE = "flower-run-config.toml"
+FEDERATION_FILE = "flower-federation.toml"
 
 
 @dataclass
 class Plan:
-    """Everything a local deployment needs, resolved before any daemon starts."""
+    """Everything a local deployment or simulation needs, resolved before any process starts.
+
+    ``federation`` is the federation config of a run on Flower's simulation engine (Ray's virtual
+    SuperNodes, ``pflego flower simulate``); ``None`` for SuperNode daemons.
+    """
 
     config: dict[str, Any]
     out: str
@@ -69,10 +77,26 @@ class Plan:
     round_timeout: float = 120.0
     timeout: float = 3600.0
     resume: bool = False
+    federation: dict[str, Any] | None = None
 
     @property
     def nodes(self) -> int:
         return len(self.sites) if self.sites is not None else int(self.config["clients"])
+
+    def run_config(self) -> dict[str, Any]:
+        """The run config of ``flwr run --run-config`` (the app's keys only)."""
+        from pflego.config import load_config
+        from pflego.flower.records import encode_config
+
+        return {
+            "pflego-config": encode_config(load_config(self.config)),
+            "out": self.out,
+            "round-timeout": float(self.round_timeout),
+            "join-timeout": 120.0,
+            "state-dir": str(Path(self.out) / NODE_STATES),
+            "resume": self.resume,
+            **self.run,
+        }
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
@@ -135,7 +159,7 @@ def clear_flower_dir(out: Path) -> None:
     """Remove the files of the run that ``--overwrite`` replaces, the nodes' states included."""
     from pflego.history import RUN_OUTPUTS
 
-    for name in (*RUN_OUTPUTS, "flower.jsonl", PLAN_FILE):
+    for name in (*RUN_OUTPUTS, "flower.jsonl", PLAN_FILE, RUN_CONFIG_FILE, FEDERATION_FILE):
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / NODE_STATES, ignore_errors=True)
 
@@ -151,11 +175,33 @@ def flower_resume_rounds(args: argparse.Namespace) -> int | None:
     return resume_rounds(args, given, f"its config.yaml and {PLAN_FILE}")
 
 
+def new_plan(args: argparse.Namespace, config: Config, **fields: Any) -> Plan:
+    """The plan of a new run of ``config`` in ``--out`` (refused when that holds a run, unless
+    ``--overwrite``), with the server's flags; its data is checked before anything starts."""
+    from pflego.config import to_dict
+    from pflego.sim import build_experiment, default_out
+
+    out = Path(args.out or config.out or default_out(config)).expanduser().resolve()
+    check_new_flower_dir(out, args.overwrite)
+    if fields.get("sites") is None:
+        build_experiment(config)  # fail on a bad config or missing data before anything starts
+    if args.overwrite:
+        clear_flower_dir(out)
+    return Plan(
+        to_dict(config),
+        str(out),
+        run=server_run_config(args),
+        workdir=str(Path(args.workdir).resolve()) if args.workdir else None,
+        round_timeout=float(args.round_timeout),
+        timeout=float(args.timeout),
+        **fields,
+    )
+
+
 def make_plan(args: argparse.Namespace) -> Plan:
     """Check the command (config, algorithm, sites, flags) and resolve it into a :class:`Plan`."""
     from pflego.config import load_config, read_yaml, to_dict
     from pflego.flower.unsupported import refuse_unsupported
-    from pflego.sim import build_experiment, default_out
 
     if args.resume is not None:
         rounds = flower_resume_rounds(args)
@@ -171,8 +217,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
         return plan
     config = flower_config(args)
     refuse_unsupported(config, args.secure_aggregation)
-    out = Path(args.out or config.out or default_out(config)).expanduser().resolve()
-    check_new_flower_dir(out, args.overwrite)
     sites = None
     if args.sites:
         from pflego.flower.sitedata import read_site
@@ -180,28 +224,14 @@ def make_plan(args: argparse.Namespace) -> Plan:
         sites = site_configs(args.sites, args.site_format, args.label_column)
         for site in sites:  # one-line errors before any daemon starts (and a warm cache)
             read_site(site["data"], site["format"], site["label-column"])
-    else:
-        build_experiment(config)  # fail on a bad config or missing data before any daemon starts
-    if args.overwrite:
-        clear_flower_dir(out)
-    return Plan(
-        to_dict(config),
-        str(out),
-        sites,
-        server_run_config(args),
-        args.tls,
-        args.auth,
-        str(Path(args.certs).resolve()) if args.certs else None,
-        str(Path(args.workdir).resolve()) if args.workdir else None,
-        float(args.round_timeout),
-        float(args.timeout),
-    )
+    certs = str(Path(args.certs).resolve()) if args.certs else None
+    return new_plan(args, config, sites=sites, tls=args.tls, auth=args.auth, certs=certs)
 
 
 def cmd_local(args: argparse.Namespace) -> int:
     """Run the experiment on a local deployment and write its run directory."""
     _require_flower()
-    from pflego.flower.deploy import NETNS_MARK, netns_available, netns_command
+    from pflego.flower.deploy import NETNS_MARK, netns_available
 
     if args.plan is not None:  # the re-run inside the network namespace
         try:
@@ -212,7 +242,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     try:
         if args.netns and os.environ.get(NETNS_MARK) != "1":
             if netns_available():
-                return _rerun_in_netns(plan, netns_command)
+                return _rerun_in_netns(plan)
             print("pflego: no private network namespace here; the daemons listen on 127.0.0.1 only")
         return run_local(plan)
     except KeyboardInterrupt:
@@ -222,23 +252,18 @@ def cmd_local(args: argparse.Namespace) -> int:
         ) from None
 
 
-class SavedPlan(Protocol):
-    """A plan that a command saves for its re-run inside the network namespace."""
-
-    def save(self, path: Path) -> None: ...
-
-
-def _rerun_in_netns(plan: SavedPlan, wrap, subcommand: str = "local") -> int:
-    """Run the plan again (``pflego flower <subcommand> --plan FILE``) inside a new network
+def _rerun_in_netns(plan: Plan) -> int:
+    """Run the plan again (``pflego flower local|simulate --plan FILE``) inside a new network
     namespace (only loopback) and wait for it.
 
     Ctrl-C and SIGTERM only set a flag (:func:`~pflego.flower.deploy.stop_on_signals`); the wait
     polls it, passes SIGTERM on to the child (which stops its deployment) and returns 130.
     """
-    from pflego.flower.deploy import NETNS_MARK, NETNS_OUTER, stop_on_signals
+    from pflego.flower.deploy import NETNS_MARK, NETNS_OUTER, netns_command, stop_on_signals
 
     scratch = Path(tempfile.mkdtemp(prefix="pflego-flower-"))
     plan.save(scratch / "plan.json")
+    subcommand = "local" if plan.federation is None else "simulate"
     command = [sys.executable, "-m", "pflego.cli", "flower", subcommand]
     command += ["--plan", str(scratch / "plan.json")]
     env = {**os.environ, NETNS_MARK: "1", NETNS_OUTER: os.readlink("/proc/self/ns/net")}
@@ -246,9 +271,9 @@ def _rerun_in_netns(plan: SavedPlan, wrap, subcommand: str = "local") -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH", "")) if p)
     try:
         with stop_on_signals() as stop:
-            child = subprocess.Popen(wrap(command), env=env)
+            child = subprocess.Popen(netns_command(command), env=env)
             while child.poll() is None:
-                if stop.set:
+                if stop.is_set():
                     with contextlib.suppress(ProcessLookupError):
                         child.send_signal(signal.SIGTERM)
                     try:
@@ -257,7 +282,7 @@ def _rerun_in_netns(plan: SavedPlan, wrap, subcommand: str = "local") -> int:
                         child.kill()
                         child.wait()
                     raise KeyboardInterrupt
-                stop.event.wait(0.2)
+                stop.wait(0.2)
             return child.returncode
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -265,43 +290,48 @@ def _rerun_in_netns(plan: SavedPlan, wrap, subcommand: str = "local") -> int:
 
 def run_local(plan: Plan) -> int:
     """Start the deployment in this process's network namespace, run, stop everything."""
-    from pflego.config import load_config
+    return run_plan(plan, functools.partial(local_deployment, plan))
+
+
+@contextlib.contextmanager
+def local_deployment(plan: Plan, workdir: Path, say, stop) -> Iterator[LocalDeployment]:
+    """The plan's SuperLink and SuperNodes (TLS and authentication as planned), running; the
+    plan is saved in the run directory for ``--resume``."""
     from pflego.flower.certs import Credentials, generate
-    from pflego.flower.deploy import LocalDeployment, stop_on_signals
-    from pflego.flower.records import encode_config
+    from pflego.flower.deploy import LocalDeployment
+
+    credentials = None
+    if plan.tls or plan.auth or plan.certs is not None:
+        credentials = (
+            Credentials(Path(plan.certs)) if plan.certs else generate(workdir / "certs", plan.nodes)
+        )
+    out = Path(plan.out)
+    plan.save(out / PLAN_FILE)
+    with LocalDeployment(workdir, credentials, plan.auth, say, stop=stop) as deployment:
+        deployment.start_nodes(plan.nodes, sites=plan.sites, state_root=out / NODE_STATES)
+        yield deployment
+
+
+def run_plan(
+    plan: Plan,
+    open_deployment: Callable[[Path, Callable[[str], None], StopFlag], Any],
+    started: str = "",
+) -> int:
+    """Run the plan's experiment on ``open_deployment(workdir, say, stop)`` (a context manager
+    whose exit stops every process it started) and print the run's summary."""
+    from pflego.flower.deploy import stop_on_signals
     from pflego.history import History
 
-    config = load_config(plan.config)
     out = Path(plan.out)
     keep = plan.workdir is not None
     workdir = Path(plan.workdir or tempfile.mkdtemp(prefix="pflego-flower-")).resolve()
     say = lambda line: print(f"pflego: {line}", flush=True)  # noqa: E731
-    run_config = {
-        "pflego-config": encode_config(config),
-        "out": str(out),
-        "round-timeout": float(plan.round_timeout),
-        "join-timeout": 120.0,
-        "resume": plan.resume,
-        **plan.run,
-    }
     try:
-        credentials = None
-        if plan.tls or plan.auth or plan.certs is not None:
-            credentials = (
-                Credentials(Path(plan.certs))
-                if plan.certs
-                else generate(workdir / "certs", plan.nodes)
-            )
         out.mkdir(parents=True, exist_ok=True)
-        plan.save(out / PLAN_FILE)
-        with (
-            stop_on_signals() as stop,
-            LocalDeployment(workdir, credentials, plan.auth, say, stop=stop) as deployment,
-        ):
-            deployment.start_nodes(plan.nodes, sites=plan.sites, state_root=out / NODE_STATES)
-            run_id = deployment.submit(run_config)
-            say(f"run {run_id} started; run directory {out}")
-            status = follow(deployment, run_id, out, plan.timeout, say, stop)
+        with stop_on_signals() as stop, open_deployment(workdir, say, stop) as deployment:
+            run_id = deployment.submit(plan.run_config())
+            say(f"run {run_id} started{started}; run directory {out}")
+            status = follow(deployment, run_id, out, plan.timeout, say)
             check_completed(deployment, run_id, status, out, workdir)
     except KeyboardInterrupt:  # every process is stopped by now, and there is nothing to keep
         if not keep:
@@ -337,23 +367,20 @@ def check_completed(deployment, run_id: int, status: str, out: Path, workdir: Pa
     )
 
 
-def follow(deployment, run_id: int, out: Path, timeout: float, say, stop) -> str:
+def follow(deployment, run_id: int, out: Path, timeout: float, say) -> str:
     """Wait for the run, echoing each new evaluation and round status as it is logged."""
-    deadline = time.monotonic() + timeout
     seen = {"metrics.jsonl": 0, "flower.jsonl": 0}
-    status = "unknown"
-    while time.monotonic() < deadline:
-        status = deployment.status(run_id)
+
+    def echo() -> None:
         for name in seen:
             path = out / name
             lines = path.read_text().splitlines() if path.is_file() else []
             for line in lines[seen[name] :]:
                 _echo(name, json.loads(line), say)
             seen[name] = max(seen[name], len(lines))
-        if status.startswith("finished"):
-            return status
-        stop.sleep(2.0)
-    return f"still {status} after {timeout:g} s"
+
+    status = deployment.wait(run_id, timeout, each=echo)
+    return status if status.startswith("finished") else f"still {status} after {timeout:g} s"
 
 
 def _echo(name: str, record: dict[str, Any], say) -> None:

@@ -1,18 +1,10 @@
 """``pflego flower simulate``: an experiment on Flower's simulation engine (Ray).
 
-``pflego flower simulate [run flags]`` checks the experiment as ``pflego run`` would, writes its
-run config (``flower-run-config.toml``) and federation config (``flower-federation.toml``: one
-virtual SuperNode per client on Ray, with ``--cpus-per-client`` and ``--gpus-per-client``) into
-the run directory, starts a SuperLink in simulation mode on 127.0.0.1, submits the run with
-``flwr run <pflego app> local-simulation``, echoes its progress, writes the same run directory as
-``pflego flower local`` and stops every process it started (exit code 130 on Ctrl-C or
-SIGTERM). Virtual SuperNode k holds partition k (``partition-id=k``), and the ServerApp and the
-ClientApp are those of a deployment (:mod:`pflego.flower.apps`).
-
-Ray probes addresses off the machine when it starts, so where the machine allows (root or user
-namespaces) the whole simulation runs inside a private network namespace with only a loopback
-interface, and every process left in it is ended at the end. ``--dry-run`` writes the two files
-and prints the ``flwr run`` command without starting anything.
+It checks the experiment as ``pflego run`` would, writes its run config and federation config
+(one virtual SuperNode per client, :mod:`pflego.flower.simulation`) into the run directory, runs
+it on a SuperLink in simulation mode, inside a private network namespace where the machine allows
+(Ray probes outside addresses when it starts), and writes the same run directory as ``pflego
+flower local``. ``--dry-run`` writes the two files and prints the ``flwr run`` command only.
 
 This module imports neither flwr, Ray nor torch at import time.
 """
@@ -20,77 +12,24 @@ This module imports neither flwr, Ray nor torch at import time.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
-import json
 import os
-import shutil
-import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pflego.cli.flags import add_flag, add_flags, add_run_flags, add_server_flags, server_run_config
+from pflego.cli.flags import add_flag, add_flags, add_run_flags, add_server_flags
 from pflego.cli.flower_local import (
-    NODE_STATES,
+    FEDERATION_FILE,
+    RUN_CONFIG_FILE,
+    Plan,
     _require_flower,
     _rerun_in_netns,
-    check_completed,
-    check_new_flower_dir,
-    clear_flower_dir,
     flower_config,
-    follow,
+    new_plan,
+    run_plan,
 )
 from pflego.cli.session import Interrupted
 from pflego.errors import ConfigError, PflegoError
-
-RUN_CONFIG_FILE = "flower-run-config.toml"
-FEDERATION_FILE = "flower-federation.toml"
-
-
-@dataclass
-class SimulationPlan:
-    """Everything a simulation needs, resolved before Ray starts."""
-
-    config: dict[str, Any]
-    out: str
-    federation: dict[str, Any]
-    run: dict[str, Any] = field(default_factory=dict)  # the server's run config (task, SecAgg+)
-    workdir: str | None = None
-    round_timeout: float = 120.0
-    timeout: float = 3600.0
-
-    def run_config(self) -> dict[str, Any]:
-        """The run config of ``flwr run --run-config`` (the app's keys only)."""
-        from pflego.config import load_config
-        from pflego.flower.records import encode_config
-
-        return {
-            "pflego-config": encode_config(load_config(self.config)),
-            "out": self.out,
-            "round-timeout": float(self.round_timeout),
-            "join-timeout": 120.0,
-            "state-dir": str(Path(self.out) / NODE_STATES),
-            "resume": False,
-            **self.run,
-        }
-
-    def write_files(self) -> tuple[Path, Path]:
-        """Write the run config and the federation config into the run directory."""
-        from pflego.flower.simulation import write_toml
-
-        out = Path(self.out)
-        return (
-            write_toml(out / RUN_CONFIG_FILE, self.run_config()),
-            write_toml(out / FEDERATION_FILE, self.federation),
-        )
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
-
-    @classmethod
-    def load(cls, path: Path) -> SimulationPlan:
-        return cls(**json.loads(path.read_text()))
 
 
 def add_simulate(commands: Any) -> None:
@@ -138,13 +77,11 @@ def add_simulate(commands: Any) -> None:
     simulate.set_defaults(handler=cmd_simulate)
 
 
-def make_simulation_plan(args: argparse.Namespace) -> SimulationPlan:
-    """Check the command (config, algorithm, resources, flags), resolve it into a
-    :class:`SimulationPlan` and write its run config and federation config."""
-    from pflego.config import to_dict
-    from pflego.flower.simulation import Resources, federation_config
+def make_simulation_plan(args: argparse.Namespace) -> Plan:
+    """Check the command (config, algorithm, resources, flags), resolve it into a :class:`Plan`
+    and write its run config and federation config."""
+    from pflego.flower.simulation import Resources, federation_config, write_toml
     from pflego.flower.unsupported import refuse_unsupported
-    from pflego.sim import build_experiment, default_out
 
     config = flower_config(args)
     refuse_unsupported(config, args.secure_aggregation)
@@ -153,23 +90,9 @@ def make_simulation_plan(args: argparse.Namespace) -> SimulationPlan:
     for flag, value in (("--round-timeout", args.round_timeout), ("--timeout", args.timeout)):
         if not value > 0:
             raise ConfigError(f"{flag}={value:g} must be above 0 seconds")
-    out = Path(args.out or config.out or default_out(config)).expanduser().resolve()
-    check_new_flower_dir(out, args.overwrite)
-    build_experiment(config)  # fail on a bad config or missing data before Ray starts
-    if args.overwrite:
-        clear_flower_dir(out)
-        for name in (RUN_CONFIG_FILE, FEDERATION_FILE):
-            (out / name).unlink(missing_ok=True)
-    plan = SimulationPlan(
-        to_dict(config),
-        str(out),
-        federation_config(config.clients, resources),
-        server_run_config(args),
-        str(Path(args.workdir).resolve()) if args.workdir else None,
-        float(args.round_timeout),
-        float(args.timeout),
-    )
-    plan.write_files()
+    plan = new_plan(args, config, federation=federation_config(config.clients, resources))
+    write_toml(Path(plan.out) / RUN_CONFIG_FILE, plan.run_config())
+    write_toml(Path(plan.out) / FEDERATION_FILE, plan.federation)
     return plan
 
 
@@ -184,7 +107,7 @@ def _require_ray() -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the experiment on Flower's simulation engine and write its run directory."""
     _require_flower()
-    from pflego.flower.deploy import NETNS_MARK, app_dir, netns_available, netns_command
+    from pflego.flower.deploy import NETNS_MARK, app_dir, netns_available
 
     if args.plan is not None:  # the re-run inside the network namespace
         from pflego.flower.simulation import in_private_namespace
@@ -192,7 +115,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if os.environ.get(NETNS_MARK) == "1" and not in_private_namespace():
             raise PflegoError("the re-run meant for a private network namespace is not in one")
         try:
-            return run_simulation(SimulationPlan.load(args.plan))
+            return run_simulation(Plan.load(args.plan))
         except KeyboardInterrupt:  # the outer command reports it
             raise Interrupted("") from None
     plan = make_simulation_plan(args)
@@ -215,7 +138,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                     "(loopback only): Ray cannot reach any other address",
                     flush=True,
                 )
-                return _rerun_in_netns(plan, netns_command, "simulate")
+                return _rerun_in_netns(plan)
             print(
                 "pflego: no private network namespace here (`unshare -n` needs root or user "
                 "namespaces); Ray runs on this machine's network and probes outside addresses "
@@ -229,43 +152,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         ) from None
 
 
-def run_simulation(plan: SimulationPlan) -> int:
+def run_simulation(plan: Plan) -> int:
     """Start the SuperLink in simulation mode in this process's network namespace, run the
     experiment on Ray's virtual SuperNodes, stop everything."""
-    from pflego.cli.run import summary
-    from pflego.flower.deploy import stop_on_signals
     from pflego.flower.simulation import LocalSimulation, reap_namespace
-    from pflego.history import History
 
-    out = Path(plan.out)
-    keep = plan.workdir is not None
-    workdir = Path(plan.workdir or tempfile.mkdtemp(prefix="pflego-sim-")).resolve()
-    say = lambda line: print(f"pflego: {line}", flush=True)  # noqa: E731
     fed = plan.federation
+    started = (
+        f" on {fed['num-supernodes']} virtual SuperNodes ({fed['client-resources-num-cpus']} CPU, "
+        f"{fed['client-resources-num-gpus']:g} GPU each)"
+    )
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        with (
-            stop_on_signals() as stop,
-            LocalSimulation(workdir, fed, say, stop) as simulation,
-        ):
-            run_id = simulation.submit(plan.run_config())
-            say(
-                f"run {run_id} started on {fed['num-supernodes']} virtual SuperNodes "
-                f"({fed['client-resources-num-cpus']} CPU, {fed['client-resources-num-gpus']:g} "
-                f"GPU each); run directory {out}"
-            )
-            status = follow(simulation, run_id, out, plan.timeout, say, stop)
-            check_completed(simulation, run_id, status, out, workdir)
-    except KeyboardInterrupt:
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-        raise
+        return run_plan(
+            plan, lambda workdir, say, stop: LocalSimulation(workdir, fed, say, stop), started
+        )
     finally:
         left = reap_namespace()  # what Ray left in this private namespace; a no-op outside one
         if left:
             names = ", ".join(sorted(set(left.values())))
-            say(f"ended {len(left)} process(es) left in the private network namespace ({names})")
-    if not keep:
-        shutil.rmtree(workdir, ignore_errors=True)
-    print(summary(History.load(out)))
-    return 0
+            print(
+                f"pflego: ended {len(left)} process(es) left in the private network namespace "
+                f"({names})",
+                flush=True,
+            )

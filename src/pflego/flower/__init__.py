@@ -3,31 +3,8 @@
 Flower is an optional extra (``pip install pflego[flower]``); nothing outside this package imports
 it, and importing this package itself does not either (its modules do).
 
-Modules:
-    ``records``: lossless tensors <-> Flower records, and the config for the run config.
-    ``population``: the task and the population a server learns from the nodes' reports.
-    ``sitedata``: a site's own data (image folder, npz, CSV, IDX) fitted to the run's task.
-    ``node``: what a SuperNode does for its client (partition or site data, first-visit state,
-        train, evaluate, state files).
-    ``apps``: the ``ServerApp`` and ``ClientApp`` (``pflego.flower.apps:server_app`` /
-        ``client_app``), and the client state kept in ``context.state`` and on disk.
-    ``server``: the server loop over a Flower ``Grid`` (``FlowerServer``), its checkpoint and
-        resume, built on the modules that follow.
-    ``membership``: the population learned from the nodes, late joiners, the server's messages
-        to the nodes (downlinks, replies, missing clients).
-    ``training``: a training round: the engine's round with plain or SecAgg+ messages as its
-        transport.
-    ``evaluation``: the evaluation rounds and the run's records.
-    ``status``: bytes and seconds per round, the status line, the event log ``flower.jsonl``.
-    ``unsupported``: the runs Flower's client-server rounds cannot do, refused in one line.
-    ``secure``: secure aggregation of a round's sum with Flower's SecAgg+.
-    ``inprocess``: a grid that runs the ClientApp in the same process (tests, debugging).
-    ``deploy``: a SuperLink and N SuperNodes on 127.0.0.1 (``pflego flower local``).
-    ``simulation``: a SuperLink in simulation mode with Ray's virtual SuperNodes
-        (``pflego flower simulate``), and the clean-up of its private network namespace.
-    ``certs``: certificates and SuperNode keys for TLS and node authentication.
-
-The ``pflego flower`` commands are in ``pflego.cli.flower`` (a layer above this package).
+Its modules, one concern each, are listed in ``docs/flower.md`` ("Pieces"); the ``pflego
+flower`` commands are in ``pflego.cli.flower`` (a layer above this package).
 
 The server holds no data: it learns I, N and each N_i from the nodes (see ``population``). Missing
 nodes and PFLEGO's unbiased step: a round aggregates the uploads that arrived. Let S be the

@@ -1,25 +1,10 @@
 """The Flower apps: one ServerApp and one ClientApp for every registered algorithm.
 
 Point a Flower app's ``[tool.flwr.app.components]`` at ``pflego.flower.apps:server_app`` and
-``pflego.flower.apps:client_app`` (the app folder shipped in ``pflego/flower/app`` does).
-
-Run config (``[tool.flwr.app.config]``, overridden with ``flwr run --run-config``):
-    ``pflego-config``: the experiment config, base64 JSON (:func:`~pflego.flower.records.encode_config`);
-        its ``clients`` is how many nodes the server waits for before the first round.
-    ``out``: the run directory on the ServerApp's machine (absolute path).
-    ``round-timeout``: seconds to wait for one round's replies.
-    ``join-timeout``: seconds to wait at the start for ``clients`` nodes.
-    ``state-dir``: where nodes save client states when their node config names none.
-    ``resume``: continue the run in ``out`` from its checkpoint.
-    ``input-shape``, ``label-names``: the model's input shape (``1,28,28``) and the run's label names
-        (``cat,dog``); empty: learned from the nodes' reports.
-    ``secure-aggregation``: sum the uploads with SecAgg+ (``secagg-clipping-range``,
-        ``secagg-quantization-range``, ``secagg-threshold``; see :mod:`pflego.flower.secure`).
-
-Node config (``flower-supernode --node-config``): either the site's own data,
-``data=/path format=imagefolder|npz|csv|idx`` with optional ``label-column=label`` (csv) and
-``site=NAME`` (the client's stable name; default ``<host>:<path>``), or a partition of the run's
-dataset, ``partition-id=i num-partitions=I``; and optionally ``state-dir``.
+``pflego.flower.apps:client_app`` (the app folder shipped in ``pflego/flower/app`` does). Their
+run config (``[tool.flwr.app.config]``, overridden with ``flwr run --run-config``) and node config
+(``flower-supernode --node-config``: a site's own data or a partition of the run's dataset) are
+listed in ``docs/flower.md`` ("Configuration").
 """
 
 from __future__ import annotations
@@ -48,7 +33,6 @@ from pflego.flower.records import (
     client_out_to_record,
     context_from_record,
     decode_config,
-    metrics_to_record,
     params_from_record,
     params_to_record,
 )
@@ -146,12 +130,20 @@ def keep_state(context: Context, run: str, client: int, t: int, state: ClientSta
     context.state[STATE_TAG] = ConfigRecord({"run": run, "client": client, "round": t})
 
 
-def train_client(records: dict[str, Any], downlink, context: Context):
-    """Run the client's round; keep its new state when the update is finite."""
+def client_round(
+    records: dict[str, Any], downlink, context: Context
+) -> tuple[ClientNode, ClientState, RoundContext]:
+    """This node's client for a round's records, its state before the round and the round's
+    context."""
     node = round_node(records, context)
     ctx = context_from_record(records["ctx"])
+    return node, load_state(context, node, str(records["pflego"]["run"]), downlink, ctx), ctx
+
+
+def train_client(records: dict[str, Any], downlink, context: Context):
+    """Run the client's round; keep its new state when the update is finite."""
+    node, state, ctx = client_round(records, downlink, context)
     run = str(records["pflego"]["run"])
-    state = load_state(context, node, run, downlink, ctx)
     out, new_state = node.train(downlink, state, ctx)
     finite = tree.all_finite(out.upload, new_state, {"weight": torch.as_tensor(out.weight)})
     if finite:  # a non-finite update is dropped, as in the simulator: the old state stays
@@ -178,7 +170,9 @@ def train(message: Message, context: Context) -> Message:
     content = RecordDict(
         {
             "out": client_out_to_record(out),
-            "metrics": metrics_to_record({**out.metrics, "client": node.client}),
+            "metrics": MetricRecord(  # scalars as floats, for Flower's logs
+                {k: float(v) for k, v in {**out.metrics, "client": node.client}.items()}
+            ),
             "pflego": ConfigRecord({"client": node.client, "finite": finite}),
         }
     )
@@ -200,10 +194,8 @@ def train_secure(message: Message, context: Context) -> Message:
 def evaluate(message: Message, context: Context) -> Message:
     """Evaluate the client's personalized model on its train and test data."""
     records = {k: message.content[k] for k in ("pflego", "task", "ctx")}
-    node = round_node(records, context)
     downlink = params_from_record(message.content["downlink"])
-    ctx = context_from_record(records["ctx"])
-    state = load_state(context, node, str(records["pflego"]["run"]), downlink, ctx)
+    node, state, ctx = client_round(records, downlink, context)
     row = node.evaluate(downlink, state, ctx)
     content = RecordDict(
         {
@@ -236,11 +228,11 @@ def main(grid: Grid, context: Context) -> None:
     """Run the experiment of the run config on the connected nodes and write its run directory."""
     from pflego.flower.server import FlowerServer
 
-    logging.getLogger("pflego.flower").setLevel(logging.INFO)
-    if not logging.getLogger("pflego.flower").handlers:
+    log.setLevel(logging.INFO)
+    if not log.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("pflego %(levelname)s: %(message)s"))
-        logging.getLogger("pflego.flower").addHandler(handler)
+        log.addHandler(handler)
     run = dict(context.run_config)
     config = decode_config(str(run["pflego-config"]))
     out = str(run.get("out", "") or config.out or "")

@@ -13,6 +13,7 @@ import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -42,8 +43,11 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    path.write_bytes(data)
+def _write_private(path: Path, key: Any, private_format: serialization.PrivateFormat) -> None:
+    """Write a private key unencrypted, readable by its owner only."""
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, private_format, serialization.NoEncryption())
+    )
     path.chmod(0o600)
 
 
@@ -62,11 +66,12 @@ def subject_names(names: Sequence[str]) -> list[x509.GeneralName]:
     return entries
 
 
-def generate_tls(
-    directory: str | Path, days: int = 30, names: Sequence[str] = LOCAL_NAMES
+def generate(
+    directory: str | Path, nodes: int, days: int = 30, names: Sequence[str] = LOCAL_NAMES
 ) -> Credentials:
-    """A CA and a server certificate for ``names`` (host names or IP addresses the nodes use to
-    reach the SuperLink; default ``localhost`` and ``127.0.0.1``) in ``directory``."""
+    """A CA, a server certificate for ``names`` (host names or IP addresses the nodes use to
+    reach the SuperLink; default ``localhost`` and ``127.0.0.1``) and ``nodes`` SuperNode key
+    pairs ``node0 .. node{nodes-1}`` (EC P-384, OpenSSH format) in ``directory``."""
     creds = Credentials(Path(directory))
     creds.directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
@@ -102,31 +107,10 @@ def generate_tls(
     )
     creds.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     creds.server_cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
-    _write_private(
-        creds.server_key,
-        server_key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.TraditionalOpenSSL,
-            serialization.NoEncryption(),
-        ),
-    )
-    return creds
-
-
-def generate_node_keys(directory: str | Path, nodes: int) -> Credentials:
-    """EC P-384 key pairs ``node0 .. node{nodes-1}`` (OpenSSH format) in ``directory``."""
-    creds = Credentials(Path(directory))
-    creds.directory.mkdir(parents=True, exist_ok=True)
+    _write_private(creds.server_key, server_key, serialization.PrivateFormat.TraditionalOpenSSL)
     for k in range(nodes):
         key = ec.generate_private_key(ec.SECP384R1())
-        _write_private(
-            creds.node_key(k),
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.OpenSSH,
-                serialization.NoEncryption(),
-            ),
-        )
+        _write_private(creds.node_key(k), key, serialization.PrivateFormat.OpenSSH)
         creds.node_public_key(k).write_bytes(
             key.public_key().public_bytes(
                 serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
@@ -134,11 +118,3 @@ def generate_node_keys(directory: str | Path, nodes: int) -> Credentials:
             + b"\n"
         )
     return creds
-
-
-def generate(
-    directory: str | Path, nodes: int, days: int = 30, names: Sequence[str] = LOCAL_NAMES
-) -> Credentials:
-    """TLS files (a server certificate for ``names``) and ``nodes`` SuperNode key pairs."""
-    generate_tls(directory, days, names)
-    return generate_node_keys(directory, nodes)

@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shlex
 import signal
 import socket
 import ssl
@@ -24,10 +25,10 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import tomli_w
 
@@ -90,7 +91,7 @@ def netns_available() -> bool:
 
 def netns_command(command: Sequence[str]) -> list[str]:
     """``command`` wrapped to run in a new network namespace with only loopback up."""
-    quoted = " ".join(_sh_quote(c) for c in command)
+    quoted = " ".join(shlex.quote(c) for c in command)
     return ["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {quoted}"]
 
 
@@ -119,19 +120,13 @@ def node_config_text(values: Mapping[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _sh_quote(text: str) -> str:
-    import shlex
-
-    return shlex.quote(text)
-
-
 def _die_with_parent() -> None:
     """In the child before exec: get SIGKILL when the launching process dies (Linux)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-class StopFlag:
+class StopFlag(threading.Event):
     """Set by this process's own SIGINT / SIGTERM handler; every long wait polls it.
 
     The handler only sets the flag, so a signal can never interrupt the launcher halfway through
@@ -140,37 +135,32 @@ class StopFlag:
     exits with 130.
     """
 
-    def __init__(self) -> None:
-        self.event = threading.Event()
-
-    @property
-    def set(self) -> bool:
-        return self.event.is_set()
-
-    def check(self) -> None:
-        """Raise ``KeyboardInterrupt`` if a stop was requested."""
-        if self.event.is_set():
-            raise KeyboardInterrupt
-
     def sleep(self, seconds: float) -> None:
         """Sleep, or raise ``KeyboardInterrupt`` as soon as a stop is requested."""
-        if self.event.wait(seconds):
+        if self.wait(seconds):
             raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _on_signals(handler: Any) -> Iterator[None]:
+    """SIGINT and SIGTERM go to ``handler`` inside the block (main thread; elsewhere a no-op)."""
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[StopFlag]:
     """A :class:`StopFlag` that SIGINT and SIGTERM set (main thread; elsewhere never set)."""
     flag = StopFlag()
-    previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(ValueError):
-            previous[sig] = signal.signal(sig, lambda signum, frame: flag.event.set())
-    try:
+    with _on_signals(lambda signum, frame: flag.set()):
         yield flag
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def run_command(
@@ -189,7 +179,7 @@ def run_command(
                 return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
             except subprocess.TimeoutExpired:
                 if stop is not None:
-                    stop.check()
+                    stop.sleep(0)
                 if time.monotonic() > deadline:
                     raise subprocess.TimeoutExpired(command, timeout) from None
     finally:
@@ -198,32 +188,22 @@ def run_command(
             process.communicate()
 
 
-@contextlib.contextmanager
-def _signals_ignored() -> Iterator[None]:
-    """Ignore SIGINT and SIGTERM inside the block (main thread only; elsewhere a no-op)."""
-    previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(ValueError):
-            previous[sig] = signal.signal(sig, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 @dataclass
 class Daemon:
     """A process this deployment started, with its log file."""
 
-    name: str
     process: subprocess.Popen
     log: Path
-    _handle: IO[bytes] | None = field(default=None, repr=False)
 
     @property
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def kill(self) -> None:
+        """Kill its process group (a crash) and wait for it to end."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
 
     def tail(self, lines: int = 20) -> str:
         if not self.log.is_file():
@@ -293,18 +273,18 @@ class LocalDeployment:
     def _spawn(self, name: str, command: Sequence[str]) -> Daemon:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = self.logs / f"{name}.log"
-        handle = log.open("ab")
-        process = subprocess.Popen(
-            list(command),
-            env=self.env,
-            cwd=self.workdir,
-            stdin=subprocess.DEVNULL,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509  (only prctl; no locks taken)
-        )
-        daemon = Daemon(name, process, log, handle)
+        with log.open("ab") as handle:  # the child keeps its own copy of the file
+            process = subprocess.Popen(
+                list(command),
+                env=self.env,
+                cwd=self.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509  (only prctl; no locks taken)
+            )
+        daemon = Daemon(process, log)
         self.daemons.append(daemon)
         return daemon
 
@@ -314,41 +294,28 @@ class LocalDeployment:
         self.home.mkdir(parents=True, exist_ok=True)
         self.env = {**flower_env(self.home), **self.extra_env}
         self.port = self.port or free_port()
-        command = self.superlink_command()
-        superlink = self._spawn("superlink", command)
-        self.superlink = superlink
+        self.superlink = self._spawn("superlink", self.superlink_command())
         self.write_cli_config()
-        self.wait_healthy(superlink)
-        self.say(f"SuperLink up on 127.0.0.1:{self.port} (log {superlink.log})")
+        self.wait_healthy(self.superlink)
+        self.say(f"SuperLink up on 127.0.0.1:{self.port} (log {self.superlink.log})")
 
     def superlink_command(self) -> list[str]:
-        """The SuperLink's command line: loopback ports, this deployment's database, TLS and
-        SuperNode authentication as configured."""
+        """The SuperLink's command line: loopback ports, this deployment's database and the
+        :meth:`superlink_options`."""
         command = ["flower-superlink", "--host", "127.0.0.1", "--port", str(self.port)]
-        command += [
-            "--fleet-api-address",
-            f"127.0.0.1:{free_port()}",
-            "--control-api-address",
-            f"127.0.0.1:{free_port()}",
-            "--database",
-            str(self.workdir / "superlink.db"),
-            "--disable-runtime-dependency-installation",
-        ]
-        if self.credentials is None:
-            command.append("--insecure")
-        else:
-            c = self.credentials
-            command += [
-                "--ssl-ca-certfile",
-                str(c.ca_cert),
-                "--ssl-certfile",
-                str(c.server_cert),
-                "--ssl-keyfile",
-                str(c.server_key),
-            ]
-            if self.authenticate:
-                command.append("--enable-supernode-auth")
-        return command
+        command += ["--database", str(self.workdir / "superlink.db")]
+        return [*command, "--disable-runtime-dependency-installation", *self.superlink_options()]
+
+    def superlink_options(self) -> list[str]:
+        """Fleet and Control API on loopback; TLS and SuperNode authentication as configured."""
+        options = ["--fleet-api-address", f"127.0.0.1:{free_port()}"]
+        options += ["--control-api-address", f"127.0.0.1:{free_port()}"]
+        c = self.credentials
+        if c is None:
+            return [*options, "--insecure"]
+        options += ["--ssl-ca-certfile", str(c.ca_cert), "--ssl-certfile", str(c.server_cert)]
+        options += ["--ssl-keyfile", str(c.server_key)]
+        return options + ["--enable-supernode-auth"] * self.authenticate
 
     def write_cli_config(self) -> None:
         """``$FLWR_HOME/config.toml`` naming this SuperLink :attr:`connection`."""
@@ -371,14 +338,6 @@ class LocalDeployment:
                 return
             self.stop_flag.sleep(0.3)
         raise DeploymentError(f"the SuperLink gave no health answer in {self.start_timeout:g} s")
-
-    def register_node(self, k: int) -> None:
-        """Register SuperNode k's public key with the SuperLink."""
-        assert self.credentials is not None
-        self.flwr(
-            ["supernode", "register", str(self.credentials.node_public_key(k)), self.connection],
-            timeout=60,
-        )
 
     def start_node(
         self,
@@ -405,19 +364,9 @@ class LocalDeployment:
         """
         values = dict(node_config or {"partition-id": partition, "num-partitions": partitions})
         values["state-dir"] = str(state_dir or self.workdir / "state" / f"node{k}")
-        command = [
-            "flower-supernode",
-            "--superlink",
-            f"127.0.0.1:{self.port}",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(free_port()),
-            "--max-wait-time",
-            str(max_wait),
-            "--node-config",
-            node_config_text(values),
-        ]
+        command = ["flower-supernode", "--superlink", f"127.0.0.1:{self.port}"]
+        command += ["--host", "127.0.0.1", "--port", str(free_port())]
+        command += ["--max-wait-time", str(max_wait), "--node-config", node_config_text(values)]
         if self.credentials is None:
             command.append("--insecure")
         else:
@@ -434,7 +383,6 @@ class LocalDeployment:
     def start_nodes(
         self,
         count: int,
-        partitions: int | None = None,
         sites: Sequence[Mapping[str, Any]] | None = None,
         state_root: Path | None = None,
     ) -> None:
@@ -443,21 +391,19 @@ class LocalDeployment:
 
         ``state_root`` holds each node's state folder ``node<k>`` (default ``workdir/state``).
         """
-        partitions = count if partitions is None else partitions
         configs = list(sites) if sites is not None else [None] * count
         for k, node_config in enumerate(configs):
-            if self.authenticate:
-                self.register_node(k)
+            if self.authenticate:  # register its public key with the SuperLink
+                public_key = str(self.credentials.node_public_key(k))
+                self.flwr(["supernode", "register", public_key, self.connection], timeout=60)
             state = state_root / f"node{k}" if state_root is not None else None
-            self.start_node(k, k, partitions, state_dir=state, node_config=node_config)
+            self.start_node(k, k, count, state_dir=state, node_config=node_config)
         self.say(f"{len(configs)} SuperNodes started (logs in {self.logs})")
 
     def restart_superlink(self) -> None:
         """Kill the SuperLink with the ServerApp it runs (a server crash) and start it again on
         the same port and database; nodes that gave up meanwhile are restarted."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.superlink.process.pid, signal.SIGKILL)
-        self.superlink.process.wait(timeout=10)
+        self.superlink.kill()
         self.start_superlink()
         for k, daemon in self.nodes.items():
             if not daemon.alive:
@@ -465,17 +411,14 @@ class LocalDeployment:
 
     def kill_node(self, k: int) -> None:
         """Kill SuperNode k and the processes it started (a crash, for fault tests)."""
-        daemon = self.nodes[k]
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(daemon.process.pid, signal.SIGKILL)
-        daemon.process.wait(timeout=10)
+        self.nodes[k].kill()
 
     def stop(self) -> None:
         """End every process group this deployment started: SIGTERM, wait, then SIGKILL.
 
         A second Ctrl-C or SIGTERM during the shutdown is ignored, so it always completes.
         """
-        with _signals_ignored():
+        with _on_signals(signal.SIG_IGN):
             self._stop()
 
     def _stop(self) -> None:
@@ -493,9 +436,6 @@ class LocalDeployment:
                 os.killpg(daemon.process.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 daemon.process.wait(timeout=5)
-            if daemon._handle is not None:
-                daemon._handle.close()
-                daemon._handle = None
 
     # --- runs ---------------------------------------------------------------------------------
 
@@ -519,22 +459,12 @@ class LocalDeployment:
             )
         return done.stdout
 
-    def submit(self, run_config: Mapping[str, Any], app: Path | None = None) -> int:
+    def submit(self, run_config: Mapping[str, Any]) -> int:
         """Start a run of the pflego app with ``run_config``; returns the run id."""
         overrides = self.workdir / f"run-config-{time.time_ns()}.toml"
         overrides.write_text(tomli_w.dumps(dict(run_config)))
-        output = self.flwr(
-            [
-                "run",
-                str(app or app_dir()),
-                self.connection,
-                "--run-config",
-                str(overrides),
-                "--format",
-                "json",
-                *self.run_options(),
-            ]
-        )
+        run = ["run", str(app_dir()), self.connection, "--run-config", str(overrides)]
+        output = self.flwr([*run, "--format", "json", *self.run_options()])
         try:
             answer = json.loads(output[output.index("{") :])
             return int(answer["run-id"])
@@ -559,15 +489,17 @@ class LocalDeployment:
         except DeploymentError as exc:
             return str(exc)
 
-    def wait(self, run_id: int, timeout: float, poll: float = 2.0) -> str:
-        """Wait until the run finishes (or ``timeout`` passes); returns its last status."""
+    def wait(self, run_id: int, timeout: float, each: Callable[[], None] = lambda: None) -> str:
+        """Wait until the run finishes (or ``timeout`` passes), calling ``each`` after every look
+        at its status; returns its last status."""
         deadline = time.monotonic() + timeout
         status = "unknown"
         while time.monotonic() < deadline:
             status = self.status(run_id)
+            each()
             if status.startswith("finished"):
                 return status
             if not self.superlink.alive:
                 raise DeploymentError(f"the SuperLink exited:\n{self.superlink.tail()}")
-            self.stop_flag.sleep(poll)
+            self.stop_flag.sleep(2.0)
         return status

@@ -1,9 +1,8 @@
 """How a Flower server learns its population from the nodes, and admits nodes that come later.
 
-The server holds no data. A first ``query`` round asks every online node for its client's sample
-counts and label set, from which it forms the task (input shape, label space, K_max), I, N and
-each N_i (:mod:`.population`), builds the algorithm and its initial server state; a node whose
-data does not fit the task is told why and left out. Nodes that come online later (late joiners,
+A first ``query`` round forms the task and the population from the nodes' reports
+(:mod:`.population`) and builds the algorithm and its initial server state; a node whose data
+does not fit the task is told why and left out. Nodes that come online later (late joiners,
 restarted nodes) are queried and join at the start of the next round. With differential privacy
 (``dp_clip``, :mod:`pflego.privacy`) the server builds the accountant and the sensitivity from
 the population's reported sample counts; the accountant describes the population formed in the
@@ -175,9 +174,6 @@ class Membership:
         if new:
             self.admit(self.query(new, self.population.task, f"join-{t}"), t)
 
-    def message(self, content: RecordDict, message_type: str, node: int, group: str) -> Message:
-        return Message(content, dst_node_id=node, message_type=message_type, group_id=group)
-
     def run_record(self, **values: Any) -> ConfigRecord:
         """The ``pflego`` record of a message: the run key (nodes' state files) and more."""
         return ConfigRecord({"run": self.run_key, **values})
@@ -187,7 +183,10 @@ class Membership:
         content = RecordDict({"pflego": self.run_record()})
         if task is not None:
             content["task"] = ConfigRecord(task.to_record())
-        messages = [self.message(content, "query", node, group) for node in nodes]
+        messages = [
+            Message(content, dst_node_id=node, message_type="query", group_id=group)
+            for node in nodes
+        ]
         reports = {}
         for reply in self.grid.send_and_receive(messages, timeout=self.round_timeout):
             node = reply.metadata.src_node_id
@@ -242,7 +241,7 @@ class Membership:
         """Send each client's content to its node; returns the replies and why others are missing."""
         missing = {c: "no node holds this client" for c in contents if c not in self.nodes}
         messages = [
-            self.message(content, message_type, self.nodes[c], group)
+            Message(content, dst_node_id=self.nodes[c], message_type=message_type, group_id=group)
             for c, content in contents.items()
             if c in self.nodes
         ]

@@ -45,16 +45,6 @@ from pflego.tree import Params
 from pflego.types import ClientOut, ClientState, RoundContext, Schedule
 
 
-def client_view(data: FederatedData, client: int) -> FederatedData:
-    """Client ``client``'s rows of ``data`` (train, test and validation) as a one-client
-    ``FederatedData``.
-
-    The label table keeps the population's width K_max, so a personal head has the same shape as
-    in the simulator.
-    """
-    return data.subset(np.array([client]))
-
-
 @dataclass
 class ClientNode:
     """One client's data and the algorithm, as a SuperNode holds them.
@@ -164,7 +154,9 @@ class PartitionSource:
             )
         self.config, self.partition = config, partition
         self.experiment = _experiment(config_key(config))
-        self.data = client_view(self.experiment.data, partition)
+        # Its rows as a one-client FederatedData; the label table keeps the population's width
+        # K_max, so a personal head has the same shape as in the simulator.
+        self.data = self.experiment.data.subset(np.array([partition]))
 
     def report(self) -> Report:
         row = self.data.summary()[0]
@@ -259,12 +251,6 @@ def local_privacy(config: Config, noise: float | None) -> Privacy | None:
         raise ConfigError("the run adds local noise (dp_local), but the server sent no dp-noise")
     accountant = Accountant(float(noise), 0, 0.0, config.sampling, config.dp_delta, local=True)
     return Privacy(config.dp_clip, accountant, config.seed, ())
-
-
-def load_node(config: Config, partition: int) -> ClientNode:
-    """The node of partition ``partition`` as client ``partition`` (the run's own task)."""
-    source = PartitionSource(config, partition)
-    return source.node(partition, source.task)
 
 
 class StateFiles:

@@ -1,25 +1,13 @@
 """The population a Flower server learns from its nodes, and the task every node must fit.
 
-The server never loads data. In a first ``query`` round every node reports its client: a stable
-name (``site``), its training and test sample counts and its label set, the shape of one input,
-and in partition mode the dataset's label count and the partition's K_max. Never samples. From
-these reports the server forms
-
-- the **task**: the model's input shape, the run's label space (label names; a label's global id
-  is its position) and K_max, the width of personal heads over local classes. Each is taken from
-  the run config where it is declared there, else from the reports;
-- the **population**: client ids 0..I-1 in the order the clients joined (the first reports sorted
-  by name, so in partition mode client i is partition i), each client's N_i, and N = sum N_i.
-
-Late joiners. A node that appears after the first round is queried at the start of the next round
-and, if its data fits the task, appended with the next id. From that round on the population has
-I' = I + 1 clients and N' = N + N_new: every client's weight becomes alpha_i = N_i / N' (the
-earlier clients' weights shrink by N / N') and PFLEGO's inclusion factor is I'/r' with
-r' = round(p I') (fixed cohorts) or p I' (Bernoulli). Each round's step is therefore an unbiased
-estimate of the gradient of the objective of the population known in that round,
-L_t = sum_{i known at t} (N_i / N_t) l_i; rounds before a client joined estimated the objective
-without it. The task never changes: a late node whose input shape differs, whose labels are not in
-the run's label space, or who has more classes than K_max is refused with the reason.
+The server never loads data. In a first ``query`` round every node reports its client (a stable
+name, its sample counts, its label set and input shape; never a sample), from which the server
+forms the **task** (input shape, label space, K_max; each from the run config where declared
+there) and the **population** (client ids 0..I-1 in name order, each N_i, N = sum N_i). A late
+joiner whose data fits the task is appended with the next id: from that round on every weight is
+alpha_i = N_i / N' over the population known in that round, so each round's step estimates the
+gradient of that population's objective L_t = sum_{i known at t} (N_i / N_t) l_i. The task never
+changes. ``docs/flower.md`` ("A server without data") has the details.
 """
 
 from __future__ import annotations
@@ -28,7 +16,7 @@ import dataclasses
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -69,8 +57,24 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+class Record:
+    """A dataclass that travels as a Flower ``ConfigRecord`` and in checkpoints: its fields, with
+    tuples as lists."""
+
+    def to_record(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+    @classmethod
+    def from_record(cls, record: Any) -> Self:
+        """Inverse of :meth:`to_record`; fields the record lacks keep their defaults."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items()}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
 @dataclass(frozen=True)
-class Task:
+class Task(Record):
     """What every client's data must fit: the model's input and the run's label space.
 
     Attributes:
@@ -117,24 +121,9 @@ class Task:
         if why is not None:
             raise DataError(f"the data of {report.site} does not fit this run: {why}")
 
-    def to_record(self) -> dict[str, Any]:
-        return {
-            "input_shape": list(self.input_shape),
-            "labels": list(self.labels),
-            "max_classes": self.max_classes,
-        }
-
-    @classmethod
-    def from_record(cls, record: Any) -> Task:
-        return cls(
-            tuple(int(s) for s in record["input_shape"]),
-            tuple(str(s) for s in record["labels"]),
-            int(record["max_classes"]),
-        )
-
 
 @dataclass(frozen=True)
-class Report:
+class Report(Record):
     """What a node says about its client in the ``query`` round (counts and names, no samples).
 
     Attributes:
@@ -158,25 +147,6 @@ class Report:
     num_classes: int = 0
     max_classes: int = 0
     other_labels: tuple[str, ...] = ()
-
-    def to_record(self) -> dict[str, Any]:
-        values = dataclasses.asdict(self)
-        values["labels"], values["input_shape"] = list(self.labels), list(self.input_shape)
-        values["other_labels"] = list(self.other_labels)
-        return values
-
-    @classmethod
-    def from_record(cls, record: Any) -> Report:
-        return cls(
-            str(record["site"]),
-            int(record["n_train"]),
-            int(record["n_test"]),
-            tuple(str(s) for s in record["labels"]),
-            tuple(int(s) for s in record["input_shape"]),
-            int(record["num_classes"]),
-            int(record["max_classes"]),
-            tuple(str(s) for s in record.get("other_labels", [])),
-        )
 
 
 def form_task(
@@ -210,7 +180,7 @@ def form_task(
 
 
 @dataclass
-class Member:
+class Member(Record):
     """A client of the population: its name, counts, labels and the round it joined."""
 
     site: str
@@ -287,16 +257,10 @@ class Population:
         ]
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "task": self.task.to_record(),
-            "members": [dataclasses.asdict(m) for m in self.members],
-        }
+        return {"task": self.task.to_record(), "members": [m.to_record() for m in self.members]}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> Population:
         population = cls(Task.from_record(state["task"]))
-        population.members = [
-            Member(m["site"], m["n_train"], m["n_test"], tuple(m["labels"]), m["joined"])
-            for m in state["members"]
-        ]
+        population.members = [Member.from_record(m) for m in state["members"]]
         return population

@@ -13,7 +13,6 @@ import base64
 import dataclasses
 import json
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
@@ -56,11 +55,6 @@ def client_out_from_record(record: ArrayRecord) -> ClientOut:
     return ClientOut(
         params_from_record(record, "upload."), weight, params_from_record(record, "metrics.")
     )
-
-
-def metrics_to_record(metrics: Mapping[str, Any]) -> MetricRecord:
-    """Scalar metrics (tensors or numbers) as a ``MetricRecord`` of floats, for Flower's logs."""
-    return MetricRecord({k: float(v) for k, v in metrics.items()})
 
 
 def context_to_record(ctx: RoundContext) -> ConfigRecord:

@@ -1,30 +1,20 @@
 """Secure aggregation of a round's uploads with Flower's SecAgg+ (``--secure-aggregation``).
 
-The server learns only the sum of the cohort's uploads, never one client's. Flower's SecAgg+
-exists on its legacy workflow path: :class:`flwr.server.workflow.SecAggPlusWorkflow` drives four
-message rounds (keys, key shares, masked vectors, unmasking) over the grid and hands the unmasked
-result to a legacy ``Strategy``; on the node, ``secaggplus_mod`` masks what the train handler
-returns. This module runs that protocol once per training round of :class:`FlowerServer`.
+The server learns only the sum of the cohort's uploads, never one client's. SecAgg+ exists on
+Flower's legacy workflow path: :class:`flwr.server.workflow.SecAggPlusWorkflow` drives its message
+rounds over the grid and hands the unmasked result to a legacy strategy; on the node,
+``secaggplus_mod`` masks what the train handler returns. This module runs it once per training
+round of :class:`FlowerServer`.
 
-What is summed. An algorithm qualifies when its aggregate is a weighted sum whose weights are
-proportional to the clients' sample counts within the cohort, ``A = s · sum_c N_c u_c`` with one
-factor s for the whole cohort (FedAvg, FedPer, FedProx, FedRep: s = 1 / sum N_c; PFLEGO:
-s = (I/r) / N), and whose ``server_round`` is the default ``server_update(aggregate(...))``. Other
-algorithms refuse the flag with one line. Given the largest sample count M of the cohort, client c
-sends ``x_c = (N_c / M) u_c`` (each entry in [-1, 1]·|u_c|) with Flower weight M, so Flower's
-weight ratio is exactly 1 and SecAgg+ returns the plain mean ``(1/n) sum_c x_c`` over the n
-clients that answered. The server rebuilds ``sum_c N_c u_c = n M mean`` and evaluates the
-algorithm's own ``server_round`` on n copies of the count-weighted mean with the clients' real
-weights, which gives ``s · sum_c N_c u_c``: the plain aggregate. The weights (``ClientOut.weight``,
-functions of N_i, which the server knows from the nodes' reports) travel in the clear; the server
-checks every round that the aggregate's coefficients are proportional to N_c.
-
-Quantization. Each entry of ``x_c`` is clipped to [-R, R] (``secagg-clipping-range``) and
-stochastically rounded to a grid of step ``delta = 2R / Q`` (``secagg-quantization-range`` Q), so
-each entry of the secure mean is within ``delta`` of the plain mean, and the aggregate within
-``|s| n M delta`` of the plain one: the run reports this bound (``secagg_error_bound``) and the
-step. Entries beyond R would be clipped: nodes count them and the server warns (raise R). The sum
-of n quantized vectors must stay below the modulus 2^32: n < 2^32 / Q.
+An algorithm qualifies when its aggregate is ``A = s · sum_c N_c u_c`` with one factor s per
+cohort and its ``server_round`` is the default. With M the largest sample count of the cohort,
+client c sends ``x_c = (N_c / M) u_c`` with Flower weight M, so SecAgg+ returns the plain mean of
+the x_c over the n clients that answered; the server rebuilds ``sum_c N_c u_c = n M mean`` and
+runs the algorithm's ``server_round`` on n copies of the count-weighted mean with the clients'
+real weights (sent in the clear), which gives A. Entries are clipped to [-R, R] and quantized with
+step ``delta = 2R / Q``, so A is within ``|s| n M delta`` of the plain aggregate (reported as
+``secagg_error_bound``); n must stay below 2^32 / Q. ``docs/flower.md`` ("Secure aggregation")
+gives the details.
 """
 
 from __future__ import annotations
@@ -43,7 +33,6 @@ from flwr.compat.common import recorddict_compat as compat
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.compat.grid_client_proxy import GridClientProxy
 from flwr.server.compat.legacy_context import LegacyContext
-from flwr.server.strategy import Strategy
 from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
 from flwr.server.workflow.constant import Key as WorkflowKey
@@ -176,8 +165,9 @@ def fit_reply(
 # --- the server's side -------------------------------------------------------------------------
 
 
-class _Collect(Strategy):
-    """A legacy strategy that hands SecAgg+ the round's FitIns and keeps its unmasked result."""
+class _Collect:
+    """The legacy strategy's two calls SecAgg+ makes: it hands out the round's FitIns and keeps
+    the unmasked result."""
 
     def __init__(self, instructions: list[tuple[GridClientProxy, FitIns]]) -> None:
         self.instructions = instructions
@@ -189,18 +179,6 @@ class _Collect(Strategy):
     def aggregate_fit(self, server_round, results, failures):
         self.results = [(proxy.node_id, res) for proxy, res in results]
         return None, {}
-
-    def initialize_parameters(self, client_manager):  # noqa: D102  (unused by SecAgg+)
-        return None
-
-    def configure_evaluate(self, server_round, parameters, client_manager):  # noqa: D102
-        return []
-
-    def aggregate_evaluate(self, server_round, results, failures):  # noqa: D102
-        return None, {}
-
-    def evaluate(self, server_round, parameters):  # noqa: D102
-        return None
 
 
 @dataclass

@@ -80,8 +80,6 @@ class Resources:
 def federation_config(nodes: int, resources: Resources) -> dict[str, Any]:
     """The federation config (``flwr run --federation-config``) of a simulation: ``nodes``
     virtual SuperNodes on Ray with ``resources``."""
-    if nodes < 1:
-        raise ConfigError(f"a simulation needs at least 1 virtual SuperNode, not {nodes}")
     values: dict[str, Any] = {
         "num-supernodes": int(nodes),
         "backend": "ray",
@@ -152,20 +150,9 @@ class LocalSimulation(LocalDeployment):
         super().stop()
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
-    def superlink_command(self) -> list[str]:
-        """``flower-superlink --simulation`` on loopback, with no Fleet API."""
-        return [
-            "flower-superlink",
-            "--insecure",
-            "--simulation",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--database",
-            str(self.workdir / "superlink.db"),
-            "--disable-runtime-dependency-installation",
-        ]
+    def superlink_options(self) -> list[str]:
+        """Simulation mode, with no Fleet API."""
+        return ["--insecure", "--simulation"]
 
     def run_options(self) -> list[str]:
         """The federation config, as a file (``--federation-config FED.toml``)."""

@@ -2,24 +2,10 @@
 
 A SuperNode started with ``--node-config "data=/path format=imagefolder|npz|csv|idx"`` serves
 the data at that path instead of a partition of a global dataset. Labels are names (strings);
-the run's label space maps them to global ids (see :mod:`pflego.flower.population`).
-
-Formats (``train``/``test`` parts where the format has them; a single part is split at random
-into train and test with the run's ``test_fraction``, seeded by the run's seed and the site's
-name, so the split is the same in every process):
-
-- ``imagefolder``: a folder of class sub-folders of images (``DIR/<label>/*.png``), or
-  ``DIR/train/<label>/...`` and ``DIR/test/<label>/...``. The folder name is the label. Images
-  are ordered by file name (then label); grayscale images give 1 channel, RGB 3; every image must
-  have the same size and mode. Decoded arrays are cached (``$PFLEGO_CACHE``).
-- ``npz``: a file with ``x`` and ``y``, or ``x_train``, ``y_train``, ``x_test``, ``y_test``.
-- ``csv``: a file with a header row, one column of labels (``label-column``, default ``label``)
-  and numeric features in every other column; or a folder with ``train.csv`` and ``test.csv``.
-- ``idx``: a folder with MNIST-style files ``train-images-idx3-ubyte`` and
-  ``train-labels-idx1-ubyte`` (optionally ``.gz``), and optionally the ``t10k-`` test pair.
-
-Integer images (uint8) are scaled by 1/255 as the registered image datasets are; other inputs are
-used as they are.
+the run's label space maps them to global ids (see :mod:`pflego.flower.population`). The formats,
+the train/test split of data with a single part (seeded by the run's seed and the site's name, so
+the same in every process) and the scaling of uint8 inputs by 1/255 are described in
+``docs/flower.md`` ("Site data").
 """
 
 from __future__ import annotations
@@ -56,7 +42,6 @@ class SiteArrays:
     y_train: np.ndarray
     x_test: np.ndarray | None
     y_test: np.ndarray | None
-    source: str
 
     @property
     def scale(self) -> float:
@@ -156,7 +141,7 @@ def _imagefolder(path: Path) -> SiteArrays:
         return arrays
 
     a = cached_arrays("site-imagefolder", 1, [path], decode)
-    return SiteArrays(a["x_train"], a["y_train"], a.get("x_test"), a.get("y_test"), str(path))
+    return SiteArrays(a["x_train"], a["y_train"], a.get("x_test"), a.get("y_test"))
 
 
 def _npz(path: Path) -> SiteArrays:
@@ -174,10 +159,9 @@ def _npz(path: Path) -> SiteArrays:
             _labels(arrays["y_train"]),
             x_test,
             None if y_test is None else _labels(y_test),
-            str(path),
         )
     if {"x", "y"} <= set(arrays):
-        return SiteArrays(arrays["x"], _labels(arrays["y"]), None, None, str(path))
+        return SiteArrays(arrays["x"], _labels(arrays["y"]), None, None)
     raise DataError(
         f"{path} holds {', '.join(sorted(arrays)) or 'nothing'}; it needs x and y "
         "(or x_train, y_train, x_test, y_test)"
@@ -213,16 +197,13 @@ def _csv(path: Path, label_column: str) -> SiteArrays:
             raise DataError(f"{path} has no train.csv (and test.csv); or point data= at one file")
         x, y = _csv_part(train, label_column)
         xt, yt = _csv_part(test, label_column) if test.is_file() else (None, None)
-        return SiteArrays(x, y, xt, yt, str(path))
+        return SiteArrays(x, y, xt, yt)
     x, y = _csv_part(path, label_column)
-    return SiteArrays(x, y, None, None, str(path))
+    return SiteArrays(x, y, None, None)
 
 
 def _idx_file(folder: Path, stem: str) -> Path | None:
-    for name in (stem, stem + ".gz"):
-        if (folder / name).is_file():
-            return folder / name
-    return None
+    return next((folder / n for n in (stem, stem + ".gz") if (folder / n).is_file()), None)
 
 
 def _idx(path: Path) -> SiteArrays:
@@ -238,7 +219,7 @@ def _idx(path: Path) -> SiteArrays:
             f"{path} has no train-images-idx3-ubyte(.gz) and train-labels-idx1-ubyte(.gz)"
         )
     x_test, y_test = parts.get("test", (None, None))
-    return SiteArrays(*parts["train"], x_test, y_test, str(path))
+    return SiteArrays(*parts["train"], x_test, y_test)
 
 
 # --- the site's client ----------------------------------------------------------------------
@@ -303,25 +284,14 @@ class Site:
         task.check(self.report())
         ids = {name: k for k, name in enumerate(task.labels)}
         y = {split: np.array([ids[n] for n in names], np.int64) for split, names in self.y.items()}
+        pool = ["train", "val"] if "val" in self.x else ["train"]  # validation rows follow
+        x_pool, y_pool = (np.concatenate([part[split] for split in pool]) for part in (self.x, y))
         raw = ArrayDataset(
-            self.name,
-            self.x["train"],
-            y["train"],
-            self.x["test"],
-            y["test"],
-            task.num_classes,
-            self.scale,
+            self.name, x_pool, y_pool, self.x["test"], y["test"], task.num_classes, self.scale
         )
-        if "val" in self.x:  # the validation rows follow the training rows in one pool
-            raw.x_train = np.concatenate([self.x["train"], self.x["val"]])
-            raw.y_train = np.concatenate([y["train"], y["val"]])
-        n_train, n_val = len(y["train"]), len(y.get("val", ()))
-        data = from_parts(
-            raw,
-            [np.arange(n_train)],
-            [np.arange(len(y["test"]))],
-            val_parts=[np.arange(n_train, n_train + n_val)] if "val" in self.x else None,
-        )
+        n_train = len(y["train"])
+        val = [np.arange(n_train, len(y_pool))] if "val" in self.x else None
+        data = from_parts(raw, [np.arange(n_train)], [np.arange(len(y["test"]))], val_parts=val)
         width = data.client_classes.shape[1]
         if width < task.max_classes:
             pad = torch.full((1, task.max_classes - width), -1, dtype=torch.int64)
@@ -340,13 +310,12 @@ def write_site(
     y_train: np.ndarray,
     x_test: np.ndarray,
     y_test: np.ndarray,
-    label_column: str = "label",
 ) -> Path:
     """Write one site's train and test parts in format ``fmt``; returns the path for ``data=``.
 
     ``imagefolder`` and ``idx`` take uint8 images ``[n, C, H, W]`` (C = 1 or 3; idx: C = 1);
     ``npz`` writes ``folder/data.npz``; ``csv`` writes ``train.csv`` and ``test.csv`` with the
-    flattened inputs as features. Samples keep their order (image files are numbered).
+    flattened inputs as features and a ``label`` column. Samples keep their order (image files are numbered).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -370,7 +339,7 @@ def write_site(
             flat = x.reshape(len(x), -1)
             with (folder / f"{split}.csv").open("w", newline="") as f:
                 writer = csv.writer(f)
-                writer.writerow([f"x{j}" for j in range(flat.shape[1])] + [label_column])
+                writer.writerow([f"x{j}" for j in range(flat.shape[1])] + ["label"])
                 writer.writerows(
                     [*map(repr, map(float, row)), label] for row, label in zip(flat, y)
                 )

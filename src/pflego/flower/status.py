@@ -24,8 +24,11 @@ from pflego.history import RunDir
 EVENTS = "flower.jsonl"  # the run directory's event log
 
 
-class MeteredGrid(Grid):
-    """A grid that counts the payload bytes it sends and receives (for the round status)."""
+class MeteredGrid:
+    """A grid that counts the payload bytes it sends and receives (for the round status).
+
+    The server's messages, SecAgg+'s included, only go through ``send_and_receive``.
+    """
 
     def __init__(self, grid: Grid) -> None:
         self.grid = grid
@@ -38,24 +41,8 @@ class MeteredGrid(Grid):
         self.up += sum(payload_bytes(r.content) for r in replies if not r.has_error())
         return replies
 
-    def get_node_ids(self):
+    def get_node_ids(self) -> Iterable[int]:
         return self.grid.get_node_ids()
-
-    def create_message(self, *args, **kwargs):
-        return self.grid.create_message(*args, **kwargs)
-
-    def push_messages(self, messages):
-        return self.grid.push_messages(messages)
-
-    def pull_messages(self, message_ids):
-        return self.grid.pull_messages(message_ids)
-
-    def set_run(self, run_id):
-        self.grid.set_run(run_id)
-
-    @property
-    def run(self):
-        return self.grid.run
 
 
 @contextlib.contextmanager
@@ -78,14 +65,9 @@ def status_line(event: dict[str, Any]) -> str:
         f"{event.get('population', '?')}, answered {len(event.get('answered', []))}, "
         f"failed {len(missing)}"
         + (f" ({failed})" if failed else "")
-        + f"; down {megabytes(event.get('bytes_down', 0))}, up "
-        f"{megabytes(event.get('bytes_up', 0))}; {phases}"
+        + f"; down {event.get('bytes_down', 0) / 1e6:.3f} MB, up "
+        f"{event.get('bytes_up', 0) / 1e6:.3f} MB; {phases}"
     )
-
-
-def megabytes(count: int) -> str:
-    """A byte count in megabytes, as the status line writes it (``1.234 MB``)."""
-    return f"{count / 1e6:.3f} MB"
 
 
 def log_event(run_dir: RunDir | None, event: dict[str, Any]) -> None:

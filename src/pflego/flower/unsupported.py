@@ -3,9 +3,9 @@
 Flower runs client-server rounds only: an algorithm that mixes client states peer to peer or
 needs public data on the server, calibrates on every training client's statistics before
 evaluating (CCVR), a simulator-only setting (``unseen_fraction``, ``eval_train_samples``), or,
-under SecAgg+, an
-algorithm whose server step is not a weighted sum or central differential privacy (which clips
-every upload on the server) is refused with one line that says what to do instead.
+under SecAgg+, an algorithm whose server step is not a weighted sum or central differential
+privacy (which clips every upload on the server) is refused with one line that says what to do
+instead.
 """
 
 from __future__ import annotations

@@ -3,30 +3,32 @@
 It passes real Flower ``Message`` objects between :class:`~pflego.flower.server.FlowerServer` and
 :data:`~pflego.flower.apps.client_app`, with one ``Context`` per node, so the whole Flower path
 (records, ClientApp, server loop) runs without daemons. Tests use it to compare with the
-simulator; ``drop`` simulates nodes that fail or never answer.
+simulator; ``drop`` simulates nodes that fail or never answer. :func:`load_node` gives one
+partition's node directly.
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
-import time
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from flwr.app import Context, Error, Message, Metadata, RecordDict
-from flwr.serverapp import Grid
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from pflego.config import Config
+from pflego.flower.node import ClientNode, PartitionSource
 from pflego.flower.records import encode_config
 
 RUN_ID = 1
 
 
-class InProcessGrid(Grid):
+class InProcessGrid:
     """A grid whose nodes are ``Context`` objects served by a ``ClientApp`` in this process.
+
+    It answers the two calls the server makes of a Flower ``Grid``: ``get_node_ids`` and
+    ``send_and_receive``.
 
     Args:
         client_app: The ClientApp every node runs.
@@ -68,7 +70,6 @@ class InProcessGrid(Grid):
         # What the ServerApp process sets up in a deployment: lets ``Message(...)`` be built.
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, 0, 1
         self.drop = drop or (lambda node, message: None)
-        self.ids = itertools.count(1)
         self.sent: list[Message] = []
 
     def add_node(self, node: int, node_config: dict) -> None:
@@ -77,42 +78,8 @@ class InProcessGrid(Grid):
             RUN_ID, node, dict(node_config), RecordDict(), dict(self.run_config)
         )
 
-    @property
-    def run(self):  # noqa: D102  (part of the Grid interface; unused here)
-        raise NotImplementedError
-
-    def set_run(self, run_id: int) -> None:  # noqa: D102
-        pass
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        metadata = Metadata(
-            run_id=RUN_ID,
-            message_id=f"m{next(self.ids)}",
-            src_node_id=0,
-            dst_node_id=dst_node_id,
-            reply_to_message_id="",
-            group_id=group_id,
-            created_at=time.time(),
-            ttl=ttl or 3600.0,
-            message_type=message_type,
-        )
-        return Message(content=content, metadata=metadata)
-
     def get_node_ids(self) -> list[int]:
         return list(self.contexts)
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        raise NotImplementedError("use send_and_receive")
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        raise NotImplementedError("use send_and_receive")
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
@@ -138,3 +105,9 @@ class InProcessGrid(Grid):
             except Exception:  # noqa: BLE001  (a failing ClientApp becomes an error reply)
                 replies.append(Message(Error(0, traceback.format_exc()), reply_to=message))
         return replies
+
+
+def load_node(config: Config, partition: int) -> ClientNode:
+    """The node of partition ``partition`` as client ``partition`` (the run's own task)."""
+    source = PartitionSource(config, partition)
+    return source.node(partition, source.task)
