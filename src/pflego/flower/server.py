@@ -52,7 +52,7 @@ class FlowerServer(EvaluationRounds):
 
     Args:
         config: The run's experiment config (its ``clients`` is how many nodes to wait for).
-        grid: Flower's grid (or the in-process grid of :mod:`pflego.flower.inprocess`).
+        grid: Flower's grid (or the in-process grid of tests/flower_inprocess.py).
         run_dir: Where to write the run directory, or ``None``.
         round_timeout: Seconds to wait for the replies of one round.
         join_timeout: Seconds to wait at the start for ``config.clients`` nodes.
