@@ -76,7 +76,9 @@ class PerClientShift(FedAvg):
 
     def server_round(self, server, out, ctx, clients):
         server = super().server_round(server, out, ctx, clients)
-        count = server["seen"]["count"].index_add(0, clients, torch.ones(len(clients)))
+        count = server["seen"]["count"].index_add(
+            0, clients, server["seen"]["count"].new_ones(len(clients))
+        )
         return {**server, "seen": {"count": count}}
 
     def predict_global(self, downlink, state, x):
@@ -151,7 +153,7 @@ def test_per_client_downlinks_named_schedules_and_the_cohort_reach_the_algorithm
     for k, v in sims["vmap"].server["params"].items():
         torch.testing.assert_close(sims["loop"].server["params"][k], v, rtol=1e-9, atol=1e-12)
     counts = sims["vmap"].server["seen"]["count"]
-    expected = torch.zeros(8)
+    expected = torch.zeros_like(counts)
     for t in range(2):
         expected[torch.as_tensor(sims["vmap"].cohort(t))] += 1
     assert torch.equal(counts, expected)

@@ -31,7 +31,9 @@ def prepared(**overrides) -> Simulation:
     ctx = sim.context(0)
     down = sim.algorithm.downlink(sim.server, ctx)
     for i in range(sim.exp.data.num_clients):
-        sim.store.put(i, sim.client_state(i, down, ctx))
+        sim.store.scatter(
+            np.array([i]), tree.map_(lambda v: v.unsqueeze(0), sim.client_state(i, down, ctx))
+        )
     return sim
 
 
