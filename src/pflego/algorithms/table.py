@@ -1,4 +1,23 @@
-"""The server's table of every client's latest model, for the methods whose server keeps one."""
+"""The server's table of every client's latest model, for the methods whose server keeps one.
+
+Not a method of its own: the piece of state that these papers share, written once. In their
+symbols, the server holds ``{theta_j}_{j=1..I}`` (or ``w_j``), each client's model as it last
+uploaded it, and builds client i's payload from that table by the method's own rule:
+- FedAMP: Huang et al., "Personalized Cross-Silo Federated Learning on Non-IID Data", AAAI 2021,
+  arXiv:2007.03797 (cloud model ``u_i = sum_j xi_ij w_j``);
+- FedFomo: Zhang et al., "Personalized Federated Learning with First Order Model Optimization",
+  ICLR 2021, arXiv:2012.08565 (client i downloads M other clients' ``theta_j``);
+- FedAP: Lu et al., "Personalized Federated Learning with Adaptive Batchnorm for Healthcare",
+  IEEE TBD 2022, arXiv:2112.00734 (``w_i = sum_j lambda_ij w_j`` from batch-norm statistics);
+- MetaFed: Chen et al., "MetaFed: Federated Learning among Federations with Cyclic Knowledge
+  Distillation for Personalized Healthcare", IEEE TNNLS 2023, arXiv:2206.08516 (the teacher
+  ``theta_{i-1}``);
+- pFedSim: Tan et al., "pFedSim: Similarity-Aware Model Aggregation Towards Personalized Federated
+  Learning", arXiv:2305.15706 (feature extractors mixed by classifier similarity);
+- FedMTL: PFLlib's federated multi-task learning after Smith et al., "Federated Multi-Task
+  Learning", NeurIPS 2017, arXiv:1705.10467 (the sum of the other cohort members' models).
+Each method's file gives its rule in full; this module only stores and reads the table.
+"""
 
 from __future__ import annotations
 
