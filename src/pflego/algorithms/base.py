@@ -24,6 +24,7 @@ from pflego.local import LossFn, train_steps
 from pflego.loss import Objective, masked_cross_entropy
 from pflego.models import SplitModel, head_logits, init_head
 from pflego.optim import SGD, Optimizer, Proximal
+from pflego.rng import first_visit_generator
 from pflego.tree import Params
 from pflego.types import (
     ClientData,
@@ -118,6 +119,14 @@ class Algorithm:
     def init_server(self, params: Params) -> ServerState:
         """Server state: the shared parameters and the server optimizer's state."""
         return {"params": params, "opt": self.server_optimizer.init(params)}
+
+    def initial_server(
+        self, seed: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> ServerState:
+        """``init_server`` of the round-0 parameters on ``device``, every floating-point leaf in
+        the run's ``dtype`` (empty parameters, of a model without body ones, do not carry it)."""
+        server = self.init_server(tree.to(self.init_params(seed, dtype), device))
+        return {k: tree.cast(v, dtype) for k, v in server.items()}
 
     def downlink(
         self, server: ServerState, ctx: RoundContext, clients: Tensor | None = None
@@ -229,6 +238,14 @@ class Algorithm:
             return {}
         dtype = next(iter(downlink.values())).dtype if downlink else torch.get_default_dtype()
         return init_head(self.head_width, self.model.feature_dim, generator, self.head_init, dtype)
+
+    def first_visit_state(
+        self, downlink: Params, seed: int, client: int, ctx: RoundContext, dtype: torch.dtype
+    ) -> ClientState:
+        """``init_client`` seeded by the client id (the same in every backend and on Flower),
+        every floating-point leaf in the run's ``dtype`` (which an empty downlink lacks)."""
+        state = self.init_client(downlink, first_visit_generator(seed, client), ctx)
+        return tree.cast(state, dtype)
 
     def client_update(
         self, downlink: Params, state: ClientState, data: ClientData, ctx: RoundContext

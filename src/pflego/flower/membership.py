@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from pflego import tree
 from pflego.algorithms import Algorithm
 from pflego.config import Config
 from pflego.errors import ConfigError
@@ -146,8 +145,7 @@ class Membership:
                 "clients whose nodes reported; lower it or start more nodes"
             )
         self.build()
-        server = self.algorithm.init_server(self.algorithm.init_params(self.cfg.seed, self.dtype))
-        self.server = {k: tree.cast(v, self.dtype) for k, v in server.items()}  # as the simulator's
+        self.server = self.algorithm.initial_server(self.cfg.seed, self.dtype)
         log.info(
             "population: I=%d clients, N=%d training samples, %d labels, inputs %s, K_max=%d",
             self.population.num_clients,

@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
-from pflego import tree
 from pflego.algorithms import Algorithm
 from pflego.config import Config, load_config
 from pflego.data import FederatedData
@@ -36,7 +35,7 @@ from pflego.errors import ConfigError, DataError
 from pflego.flower.population import Report, Task
 from pflego.flower.sitedata import Site, default_site_name, read_site
 from pflego.history import atomic_write
-from pflego.rng import adapt_rng, first_visit_generator, minibatch_rng
+from pflego.rng import adapt_rng, minibatch_rng
 from pflego.sim import build_algorithm_for, build_experiment
 from pflego.sim.clients import client_data, client_schedules
 from pflego.sim.metrics import Personalization, evaluate
@@ -70,8 +69,9 @@ class ClientNode:
     def first_visit_state(self, downlink: Params, ctx: RoundContext) -> ClientState:
         """The state the simulator gives this client at its first visit (seeded by its id, in
         the run's dtype)."""
-        generator = first_visit_generator(self.config.seed, self.client)
-        return tree.cast(self.algorithm.init_client(downlink, generator, ctx), self.dtype)
+        return self.algorithm.first_visit_state(
+            downlink, self.config.seed, self.client, ctx, self.dtype
+        )
 
     @property
     def run_schedule(self) -> Schedule:

@@ -14,7 +14,7 @@ from pflego import tree
 from pflego.config import to_dict
 from pflego.environment import CHECKPOINT_FORMAT, pflego_version
 from pflego.history import CheckpointWriter, History, RunDir
-from pflego.rng import first_visit_generator, minibatch_rng, seed_for
+from pflego.rng import minibatch_rng, seed_for
 from pflego.sim.backends import FUSED_MIN_SAMPLES, Backend, fuses, make_backend, resolve_backend
 from pflego.sim.backends_auto import AutoBackend, auto_backend, probing_enabled
 from pflego.sim.build import Experiment
@@ -58,10 +58,9 @@ class Simulation(Evaluation):
         self.writer = CheckpointWriter(run_dir) if run_dir else None
         self.device = torch.device(self.cfg.device)
         self.algorithm = experiment.algorithm
-        params = self.algorithm.init_params(self.cfg.seed, experiment.dtype)
-        server = self.algorithm.init_server(tree.to(params, self.device))
-        # in the run's dtype, which empty parameters (a model without body ones) do not carry
-        self.server: ServerState = {k: tree.cast(v, experiment.dtype) for k, v in server.items()}
+        self.server: ServerState = self.algorithm.initial_server(
+            self.cfg.seed, experiment.dtype, self.device
+        )
         if experiment.public is not None:  # the public inputs the algorithm declared
             public = experiment.public.to(self.device, experiment.dtype)
             self.server = {**self.server, "public": {"x": public}}
@@ -170,11 +169,9 @@ class Simulation(Evaluation):
         return self.algorithm.send(self.server, ctx, torch.as_tensor(clients), evaluation).payload
 
     def init_state(self, client: int, downlink, ctx: RoundContext) -> ClientState:
-        """A client's first-visit state (seeded by the client id, so every backend agrees), in
-        the run's dtype (which an empty downlink, of a model without body parameters, lacks)."""
-        generator = first_visit_generator(self.cfg.seed, client)
-        state = self.algorithm.init_client(tree.to(downlink, "cpu"), generator, ctx)
-        return tree.cast(state, self.exp.dtype)
+        """A client's first-visit state (:meth:`~pflego.algorithms.Algorithm.first_visit_state`)."""
+        cpu = tree.to(downlink, "cpu")
+        return self.algorithm.first_visit_state(cpu, self.cfg.seed, client, ctx, self.exp.dtype)
 
     def client_state(self, client: int, downlink, ctx: RoundContext) -> ClientState:
         """A client's stored state, or its first-visit state (seeded by the client id)."""
