@@ -7,13 +7,14 @@ import csv
 import itertools
 import json
 
+import golden_results as golden
 import pytest
 
 import pflego.plots
 from pflego.cli import main
 from pflego.data import DATASETS
 from pflego.errors import ConfigError
-from pflego.experiments import golden, report_figures
+from pflego.experiments import report_figures
 from pflego.experiments.presets import grid_points, list_presets, load_preset, parse_preset
 from pflego.experiments.runs import read_manifest
 from pflego.history import History

@@ -11,7 +11,7 @@ drifts between versions fails CI instead of changing silently. Each preset has u
 
 Regenerate after an intended change of results::
 
-    python -m pflego.experiments.golden --update [PRESET ...] [--real --data-dir DIR]
+    python tests/golden_results.py --update [PRESET ...] [--real --data-dir DIR]
 """
 
 from __future__ import annotations
@@ -44,9 +44,8 @@ FORMS = ("offline", "real")
 
 
 def golden_dir() -> Path:
-    """``tests/golden`` of the source checkout (next to ``src/``), else of the current folder."""
-    repo = Path(__file__).resolve().parents[3]
-    return (repo if (repo / "tests").is_dir() else Path.cwd()) / "tests" / "golden"
+    """``tests/golden``, beside this file."""
+    return Path(__file__).resolve().parent / "golden"
 
 
 def unregistered(preset: Preset) -> list[str]:
@@ -124,7 +123,7 @@ def check(
     """
     path = golden_dir() / f"{name}.json"
     if not path.is_file():
-        return [f"no golden file {path}; run python -m pflego.experiments.golden --update {name}"]
+        return [f"no golden file {path}; run python tests/golden_results.py --update {name}"]
     golden = json.loads(path.read_text())
     expected = golden["forms"].get(form)
     plan = form_plan(load_preset(name), form, data_dir)
@@ -202,7 +201,7 @@ def update(names: Sequence[str], real: bool, data_dir: str | None, folder: Path)
             golden = {
                 "preset": preset.name,
                 "about": "Final metrics (fractions; mean of the last average_last rounds) of the "
-                "preset's --quick runs, seed 0. Regenerate: python -m pflego.experiments.golden "
+                "preset's --quick runs, seed 0. Regenerate: python tests/golden_results.py "
                 "--update " + preset.name,
                 "torch": torch.__version__.split("+")[0],
                 "tolerance": TOLERANCE,
@@ -215,7 +214,7 @@ def update(names: Sequence[str], real: bool, data_dir: str | None, folder: Path)
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pflego.experiments.golden", description=__doc__.split("\n\n")[0]
+        prog="python tests/golden_results.py", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("presets", nargs="*", help="presets to update (default every shipped one)")
     parser.add_argument("--update", action="store_true", help="rerun and rewrite the golden files")
