@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pflego.errors import ConfigError, PflegoError
+from pflego.fields import at_least, check_fields, setting
 from pflego.sim.progress import is_live
 
 
@@ -38,15 +39,12 @@ class Workers:
         threads: Torch CPU threads per worker (default: the CPU cores divided by ``jobs``).
     """
 
-    jobs: int = 1
-    devices: tuple[str, ...] = field(default_factory=tuple)
-    threads: int | None = None
+    jobs: int = setting(1, rule=at_least(1))
+    devices: tuple[str, ...] = setting(factory=tuple)
+    threads: int | None = setting(None, rule=at_least(1))
 
     def __post_init__(self) -> None:
-        if self.jobs < 1:
-            raise ConfigError(f"--jobs={self.jobs} must be at least 1")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"--threads={self.threads} must be at least 1")
+        check_fields(self, "--")
 
     def threads_each(self) -> int:
         return self.threads or max(1, (os.cpu_count() or 1) // self.jobs)
