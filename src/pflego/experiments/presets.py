@@ -133,10 +133,6 @@ class Preset:
             tune={r: g for r, g in self.tune.items() if r in keep},
         )
 
-    def paper_value(self, block: str, row: str, metric: str | None = None) -> float | None:
-        """The paper's number (percent for accuracies) for a row's metric, if the preset has it."""
-        return self.paper_results.get(block, {}).get(row, {}).get(metric or self.rows[row].metric)
-
     def run_settings(
         self,
         block: str,
