@@ -81,16 +81,18 @@ def rounds_to_target(history: History, metric: str, target: float) -> int | None
     return None
 
 
-def client_values(run_dir: str | Path, metric: str, rounds: set[int]) -> dict[int, float]:
-    """Each client's mean of ``metric`` over the evaluations of ``rounds``, from clients.csv.
+def final_client_values(run_dir: Path, metric: str, last: int) -> dict[int, float]:
+    """Each client's final value of ``metric`` (its mean over the final window's evaluations),
+    from clients.csv.
 
     A metric named ``unseen_<m>`` reads column ``<m>`` of the clients that never trained;
     any other metric, its own column for the clients that trained.
     """
+    rounds = {r["round"] for r in History.load(run_dir).final_window(last)}
     unseen = metric.startswith("unseen_")
     column = metric[len("unseen_") :] if unseen else metric
     sums: dict[int, list[float]] = {}
-    with (Path(run_dir) / "clients.csv").open(newline="") as f:
+    with (run_dir / "clients.csv").open(newline="") as f:
         for row in csv.DictReader(f):
             if int(row["round"]) not in rounds or row.get(column) in (None, ""):
                 continue
@@ -115,12 +117,6 @@ def gain_over_local(
     if not gains:
         return None
     return float(np.mean(gains)), float(np.std(gains))
-
-
-def final_client_values(run_dir: Path, metric: str, last: int) -> dict[int, float]:
-    """Each client's final value of ``metric`` (the mean over the final window's evaluations)."""
-    rounds = {r["round"] for r in History.load(run_dir).final_window(last)}
-    return client_values(run_dir, metric, rounds)
 
 
 def group_values(run_dir: str | Path, metric: str, last: int) -> dict[str, float]:

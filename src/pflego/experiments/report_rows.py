@@ -126,10 +126,6 @@ def rows_by_block(plan: Plan, rows: list[RowResult]) -> dict[str, list[RowResult
     return {block: members for block, members in grouped.items() if members}
 
 
-def _load(path: Path) -> History | None:
-    return History.load(path) if (path / "metrics.jsonl").is_file() else None
-
-
 def collect(plan: Plan, root: Path, target_acc: float | None = None) -> list[RowResult]:
     """Every report row's numbers, read from the run directories under ``root``."""
     cache: dict[str, History | None] = {}
@@ -174,7 +170,7 @@ def seed_result(
     """The numbers of one run directory (for a row's metric)."""
     path = root / run.dir
     if run.dir not in cache:
-        cache[run.dir] = _load(path)
+        cache[run.dir] = History.load(path) if (path / "metrics.jsonl").is_file() else None
     history = cache[run.dir]
     result = SeedResult(run.seed, path, "missing", history=history)
     if history is None or not history.records:

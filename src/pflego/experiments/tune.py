@@ -81,20 +81,17 @@ class Tuning:
     def score_metric(self) -> str:
         return M.validation_metric(self.metric)
 
-    def settings(self) -> tuple[dict[str, Any], str | None]:
-        """The tuning runs' base settings, and a note when tuning adds a validation split."""
-        if float(self.base.get("val_fraction") or 0.0) > 0:
-            return self.base, None
-        note = (
-            f"The settings hold out no validation data, so tuning holds out "
-            f"val_fraction={DEFAULT_VAL_FRACTION} of each client's training samples; the final "
-            "runs train on the whole training split again."
-        )
-        return {**self.base, "val_fraction": DEFAULT_VAL_FRACTION}, note
-
     def plan(self) -> Plan:
-        """The grid's runs (every config checked)."""
-        base, note = self.settings()
+        """The grid's runs (every config checked), with a note when tuning adds a validation
+        split."""
+        base, notes = self.base, []
+        if not float(base.get("val_fraction") or 0.0) > 0:
+            base = {**base, "val_fraction": DEFAULT_VAL_FRACTION}
+            notes.append(
+                f"The settings hold out no validation data, so tuning holds out "
+                f"val_fraction={DEFAULT_VAL_FRACTION} of each client's training samples; the "
+                "final runs train on the whole training split again."
+            )
         rows = {
             f"p{k:02d}": Row(f"p{k:02d}", base["algorithm"], point, self.score_metric)
             for k, point in enumerate(self.points, 1)
@@ -103,7 +100,7 @@ class Tuning:
             name=self.title or "tuning", settings=base, rows=rows, metric=self.score_metric
         )
         plan = build_plan(preset, "tune", self.seeds)
-        plan.notes = [note] if note else []
+        plan.notes = notes
         return plan
 
 
