@@ -56,7 +56,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("algorithms", ("pflego.algorithms",)),
     ("simulation", ("pflego.sim",)),
-    ("experiments", ("pflego.experiments", "pflego.bench", "pflego.comm", "pflego.report")),
+    ("experiments", ("pflego.experiments", "pflego.bench", "pflego.comm")),
     ("flower", ("pflego.flower",)),
     ("command line", ("pflego.cli",)),
     ("package face", ("pflego", "pflego.tools", "pflego.configs")),
