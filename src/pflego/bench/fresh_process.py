@@ -74,45 +74,43 @@ def in_fresh_process(settings: dict[str, Any], rounds: int, threads: int) -> dic
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def memory_row(
-    dataset: str, data_dir: str | None, clients: int, rounds: int, threads: int, batch: int | None
-) -> list[str]:
-    """Peak RSS of a fresh process running PFLEGO with ``clients`` clients."""
-    settings = {
-        "dataset": dataset,
-        "data_dir": data_dir,
-        "clients": clients,
-        "participation": 0.2,
-        "algorithm": "pflego",
-        "inner_steps": 50,
-        "batch_size": batch,
-        "min_client_size": 2,
-    }
-    result = in_fresh_process(settings, rounds, threads)
-    if isinstance(result, str):
-        return [str(clients), "failed", result, "", "", ""]
-    return [
-        str(clients),
-        "full-batch GD" if batch is None else f"minibatch SGD (B={batch})",
-        str(result["cohort"]),
-        f"{result['peak_rss_mb']:.0f}",
-        f"{result['store_mb']:.1f}",
-        f"{result['round_s'] * 1e3:.0f}",
-    ]
-
-
 def memory_section(
     dataset: str, data_dir: str | None, clients: int, rounds: int, threads: int
 ) -> list[str]:
-    """The section's Markdown lines: full-batch GD and minibatch SGD (B=10), tau=50."""
-    rows = [memory_row(dataset, data_dir, clients, rounds, threads, b) for b in (None, 10)]
+    """The section's Markdown lines: peak RSS of a fresh process running PFLEGO with ``clients``
+    clients, full-batch GD and minibatch SGD (B=10), tau=50."""
+    rows = []
+    for batch in (None, 10):
+        settings = {
+            "dataset": dataset,
+            "data_dir": data_dir,
+            "clients": clients,
+            "participation": 0.2,
+            "algorithm": "pflego",
+            "inner_steps": 50,
+            "batch_size": batch,
+            "min_client_size": 2,
+        }
+        result = in_fresh_process(settings, rounds, threads)
+        if isinstance(result, str):
+            rows.append([str(clients), "failed", result, "", "", ""])
+            continue
+        rows.append(
+            [
+                str(clients),
+                "full-batch GD" if batch is None else f"minibatch SGD (B={batch})",
+                str(result["cohort"]),
+                f"{result['peak_rss_mb']:.0f}",
+                f"{result['store_mb']:.1f}",
+                f"{result['round_s'] * 1e3:.0f}",
+            ]
+        )
     return [
         "",
         f"## 3. Peak memory, PFLEGO with {clients} clients (tau=50, fresh process)",
         "",
         markdown(
-            ["clients", "setting", "cohort", "peak RSS MB", "state store MB", "round ms"],
-            rows,
+            ["clients", "setting", "cohort", "peak RSS MB", "state store MB", "round ms"], rows
         ),
     ]
 
