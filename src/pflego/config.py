@@ -36,15 +36,11 @@ from pflego.fields import (
 SAMPLING = ("fixed", "bernoulli", "uniform-count")
 LABELS = ("global", "local")
 BACKENDS = ("auto", "vmap", "graph", "fused", "loop")
-DTYPES = ("float32", "float64")
 #: Experiment trackers of the ``log`` setting -> the module each needs (its extra has its name).
 TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
-DATASET_SETTINGS = ("hf_label", "hf_features", "hf_client", "hf_coarse")
-#: What a run whose training loss explodes (finite) does: stop with exit code 3, or warn.
-DIVERGENCE = ("stop", "warn")
-MAX_SEED = 2**62  # seeds are offset and passed to torch generators, which take 64-bit integers
 MAX_COUNT = 2**31 - 1  # counts (clients, rounds, steps, sizes) index tensors
-SEED = Rule(lambda v: 0 <= v <= MAX_SEED, "must lie in 0..2**62", "0..2**62")
+#: Seeds are offset and passed to torch generators, which take 64-bit integers.
+SEED = Rule(lambda v: 0 <= v <= 2**62, "must lie in 0..2**62", "0..2**62")
 
 
 @dataclass(frozen=True)
@@ -172,7 +168,7 @@ class Config:
     divergence: str = setting(
         "stop",
         "when the training loss explodes: stop (exit code 3) or warn",
-        one_of(*DIVERGENCE),
+        one_of("stop", "warn"),
     )
     backend: str = setting(
         "auto",
@@ -187,7 +183,7 @@ class Config:
     )
     device: str = setting("cpu", "cpu, cuda or cuda:N")
     dtype: str = setting(
-        "float32", "the floating-point type of parameters and data", one_of(*DTYPES)
+        "float32", "the floating-point type of parameters and data", one_of("float32", "float64")
     )
     out: str | None = setting(None, "the run's folder")
     log: str | None = setting(
@@ -216,7 +212,7 @@ class Config:
 
     def dataset_settings(self) -> dict[str, str]:
         """The settings set for the dataset's loader (the ``hf_`` columns of an ``hf:`` dataset)."""
-        values = {name: getattr(self, name) for name in DATASET_SETTINGS}
+        values = {name: getattr(self, name) for name in FIELDS if name.startswith("hf_")}
         return {name: value for name, value in values.items() if value is not None}
 
     def validate(self) -> Config:
@@ -226,8 +222,6 @@ class Config:
             value = getattr(self, field.name)
             check_number(field.name, value)
             check_value(field.name, value, rule_of(field))
-        if not isinstance(self.options, dict):
-            raise ConfigError("options must be a mapping of algorithm option names to values")
         if self.join_epochs is not None and self.unseen_fraction == 0:
             raise ConfigError(
                 f"join_epochs={self.join_epochs} sets how long clients that never trained "
