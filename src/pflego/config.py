@@ -414,10 +414,8 @@ def load_config(
     """A validated config from a ``Config``, a dict, a YAML path or nothing, plus overrides."""
     if isinstance(source, Config):
         base = to_dict(source)
-    elif isinstance(source, dict):
-        base = dict(source)
-    elif source is None:
-        base = {}
+    elif source is None or isinstance(source, dict):
+        base = dict(source or {})
     else:
         base = read_yaml(source)
     if "options" in overrides and "options" in base:

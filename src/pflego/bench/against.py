@@ -100,10 +100,7 @@ def matmul_peak(device: str = "cpu", repeats: int = 5) -> float:
     2048 on a CPU, 8192 x 8192 on a GPU)."""
     size = 2048 if torch.device(device).type == "cpu" else 8192
     a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
-    best = math.inf
-    for _ in range(repeats + 1):  # the first is a warm-up
-        _, seconds = timed(lambda: a @ b)
-        best = min(best, seconds)
+    best = min(timed(lambda: a @ b)[1] for _ in range(repeats + 1))  # the first: a warm-up
     return 2 * size**3 / best / 1e9
 
 
