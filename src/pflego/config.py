@@ -325,12 +325,10 @@ def check_number(name: str, value: Any) -> None:
 
 def _fits(kind: Any, value: Any) -> bool:
     """Whether ``value`` already is a ``kind`` (an int is a float too; a bool is no number)."""
-    if kind is bool or kind is str:
-        return isinstance(value, kind)
-    if kind is int or kind is float:
-        number = int if kind is int else int | float
-        return isinstance(value, number) and not isinstance(value, bool)
-    return typing.get_origin(kind) is dict and isinstance(value, dict)
+    kind = typing.get_origin(kind) or kind  # dict[str, Any] -> dict
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, int | float if kind is float else kind)
 
 
 def _coerce(name: str, value: Any) -> Any:
