@@ -234,7 +234,14 @@ class Config:
                 f"{name}={value} names a column of a Hugging Face dataset, but dataset="
                 f"{self.dataset} is not one (hf:NAME); unset it"
             )
-        self.validate_privacy()
+        # dp_: a clipping norm under any noise, one way to pick sigma
+        noised = self.dp_noise is not None or self.dp_target_epsilon is not None or self.dp_local
+        if noised and self.dp_clip is None:
+            raise ConfigError("dp_noise, dp_target_epsilon and dp_local need dp_clip (the norm C)")
+        if self.dp_noise is not None and self.dp_target_epsilon is not None:
+            raise ConfigError(
+                "give dp_noise (sigma) or dp_target_epsilon (which picks it), not both"
+            )
         tracker_names(self.log)
         check_device(self.device)
         return self
@@ -256,17 +263,6 @@ class Config:
                 )
         if counted and self.min_cohort > self.max_cohort:
             raise ConfigError(f"min_cohort={self.min_cohort} exceeds max_cohort={self.max_cohort}")
-
-    def validate_privacy(self) -> None:
-        """The dp_ settings: a clipping norm under any noise, one way to pick sigma (their ranges
-        are declared on the fields)."""
-        noised = self.dp_noise is not None or self.dp_target_epsilon is not None or self.dp_local
-        if noised and self.dp_clip is None:
-            raise ConfigError("dp_noise, dp_target_epsilon and dp_local need dp_clip (the norm C)")
-        if self.dp_noise is not None and self.dp_target_epsilon is not None:
-            raise ConfigError(
-                "give dp_noise (sigma) or dp_target_epsilon (which picks it), not both"
-            )
 
 
 def tracker_names(log: str | None) -> list[str]:

@@ -307,11 +307,6 @@ class RunDir:
     def write_config(self, config: dict[str, Any]) -> None:
         atomic_write(self.config, lambda p: p.write_text(yaml.safe_dump(config, sort_keys=False)))
 
-    def client_columns(self) -> list[str] | None:
-        """The header of ``clients.csv``, or ``None`` while it is empty."""
-        with self.clients.open(newline="") as f:
-            return next(csv.reader(f), None)
-
     def log(self, record: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         """Append one evaluation: a metrics line and a row per client.
 
@@ -319,7 +314,8 @@ class RunDir:
         """
         with self.metrics.open("a") as f:
             f.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")
-        columns = self.client_columns()
+        with self.clients.open(newline="") as f:
+            columns = next(csv.reader(f), None)  # the header; None while the file is empty
         new = columns is None
         if new:
             seen = dict.fromkeys(CLIENT_COLUMNS)
