@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from pflego.report import preset
+from pflego.experiments.presets import load_preset
 from pflego.sim import run
 
 GRID = [0.01, 0.03, 0.1, 0.3, 1.0]
@@ -24,7 +24,7 @@ def main() -> None:
         "--grid", default=",".join(map(str, GRID)), help="comma-separated step sizes"
     )
     args = parser.parse_args()
-    settings = {**preset()["settings"], "seed": 1, "rounds": args.rounds}
+    settings = {**load_preset("main").settings, "seed": 1, "rounds": args.rounds}
     print("| algorithm | step size | test acc (%) | training loss |")
     print("|---|---:|---:|---:|")
     for name in args.algorithms.split(","):

@@ -9,10 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from pflego.algorithms import ALGORITHMS
 from pflego.config import load_config
 from pflego.data import ArrayDataset, download, register
+from pflego.experiments.presets import shipped_presets
 from pflego.sim import build_experiment
 
 # `--backend auto` picks by measured timings, which vary from run to run: the suite takes the
@@ -85,3 +87,8 @@ def approx_numbers(record: dict, rel: float) -> dict:
     """``record`` with its float values compared up to ``rel`` and every other value exactly
     (pytest 9's ``approx`` refuses strings and nested lists under a relative tolerance)."""
     return {k: pytest.approx(v, rel=rel) if isinstance(v, float) else v for k, v in record.items()}
+
+
+def preset(name: str = "main.yaml") -> dict:
+    """A preset file shipped with the package, as a plain mapping (``settings``, ``algorithms``...)."""
+    return yaml.safe_load(shipped_presets()[name.removesuffix(".yaml")].read_text())

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import TINY, VERIFY_LOCAL
+from conftest import TINY, VERIFY_LOCAL, preset
 from data_formats import idx_bytes, mnist_arrays, write_cifar10, write_emnist_zip, write_idx_set
 
 from pflego.algorithms import ALGORITHMS
@@ -27,7 +27,6 @@ from pflego.config import load_config
 from pflego.data import DATASETS, ArrayDataset, download, load_dataset, register
 from pflego.errors import DataError
 from pflego.history import History
-from pflego.report import preset
 from pflego.sim import Simulation, build, build_experiment
 
 TINY_FLAGS = ["--dataset", "tiny", "--clients", "6", "--classes-per-client", "2"]

@@ -403,9 +403,10 @@ def row_settings(spec: dict, block: str | None, row: str) -> dict:
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_pfedme_presets_name_valid_settings(name):
+    from conftest import preset
+
     from pflego.algorithms import build_algorithm
     from pflego.config import load_config
-    from pflego.report import preset
 
     spec = preset(name)
     assert spec["description"] and spec["paper"] and spec["data"] == ["mnist"]

@@ -24,7 +24,7 @@ _EXPORTS = {
     "DataError": "pflego.errors",
     "PflegoError": "pflego.errors",
     "History": "pflego.history",
-    "compare": "pflego.report",
+    "compare": "pflego.experiments.reproduce",
     "resume": "pflego.sim",
     "run": "pflego.sim",
 }
@@ -52,6 +52,6 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:
     from pflego.config import Config, load_config
     from pflego.errors import ConfigError, DataError, PflegoError
+    from pflego.experiments.reproduce import compare
     from pflego.history import History
-    from pflego.report import compare
     from pflego.sim import resume, run

@@ -26,14 +26,6 @@ class Traffic:
     down: int
     up: int
 
-    @property
-    def total(self) -> int:
-        return self.down + self.up
-
-    def relative_to(self, other: Traffic) -> float:
-        """This traffic (down + up) as a multiple of ``other``'s."""
-        return self.total / other.total
-
 
 def payload_bytes(payload: Mapping[str, Tensor]) -> int:
     """Bytes of the tensors of a payload (a view counts as the elements it shows)."""

@@ -36,15 +36,11 @@ from pflego.fields import (
 SAMPLING = ("fixed", "bernoulli", "uniform-count")
 LABELS = ("global", "local")
 BACKENDS = ("auto", "vmap", "graph", "fused", "loop")
-DTYPES = ("float32", "float64")
 #: Experiment trackers of the ``log`` setting -> the module each needs (its extra has its name).
 TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
-DATASET_SETTINGS = ("hf_label", "hf_features", "hf_client", "hf_coarse")
-#: What a run whose training loss explodes (finite) does: stop with exit code 3, or warn.
-DIVERGENCE = ("stop", "warn")
-MAX_SEED = 2**62  # seeds are offset and passed to torch generators, which take 64-bit integers
 MAX_COUNT = 2**31 - 1  # counts (clients, rounds, steps, sizes) index tensors
-SEED = Rule(lambda v: 0 <= v <= MAX_SEED, "must lie in 0..2**62", "0..2**62")
+#: Seeds are offset and passed to torch generators, which take 64-bit integers.
+SEED = Rule(lambda v: 0 <= v <= 2**62, "must lie in 0..2**62", "0..2**62")
 
 
 @dataclass(frozen=True)
@@ -172,7 +168,7 @@ class Config:
     divergence: str = setting(
         "stop",
         "when the training loss explodes: stop (exit code 3) or warn",
-        one_of(*DIVERGENCE),
+        one_of("stop", "warn"),
     )
     backend: str = setting(
         "auto",
@@ -187,7 +183,7 @@ class Config:
     )
     device: str = setting("cpu", "cpu, cuda or cuda:N")
     dtype: str = setting(
-        "float32", "the floating-point type of parameters and data", one_of(*DTYPES)
+        "float32", "the floating-point type of parameters and data", one_of("float32", "float64")
     )
     out: str | None = setting(None, "the run's folder")
     log: str | None = setting(
@@ -216,7 +212,7 @@ class Config:
 
     def dataset_settings(self) -> dict[str, str]:
         """The settings set for the dataset's loader (the ``hf_`` columns of an ``hf:`` dataset)."""
-        values = {name: getattr(self, name) for name in DATASET_SETTINGS}
+        values = {name: getattr(self, name) for name in FIELDS if name.startswith("hf_")}
         return {name: value for name, value in values.items() if value is not None}
 
     def validate(self) -> Config:
@@ -226,8 +222,6 @@ class Config:
             value = getattr(self, field.name)
             check_number(field.name, value)
             check_value(field.name, value, rule_of(field))
-        if not isinstance(self.options, dict):
-            raise ConfigError("options must be a mapping of algorithm option names to values")
         if self.join_epochs is not None and self.unseen_fraction == 0:
             raise ConfigError(
                 f"join_epochs={self.join_epochs} sets how long clients that never trained "
@@ -240,7 +234,14 @@ class Config:
                 f"{name}={value} names a column of a Hugging Face dataset, but dataset="
                 f"{self.dataset} is not one (hf:NAME); unset it"
             )
-        self.validate_privacy()
+        # dp_: a clipping norm under any noise, one way to pick sigma
+        noised = self.dp_noise is not None or self.dp_target_epsilon is not None or self.dp_local
+        if noised and self.dp_clip is None:
+            raise ConfigError("dp_noise, dp_target_epsilon and dp_local need dp_clip (the norm C)")
+        if self.dp_noise is not None and self.dp_target_epsilon is not None:
+            raise ConfigError(
+                "give dp_noise (sigma) or dp_target_epsilon (which picks it), not both"
+            )
         tracker_names(self.log)
         check_device(self.device)
         return self
@@ -262,17 +263,6 @@ class Config:
                 )
         if counted and self.min_cohort > self.max_cohort:
             raise ConfigError(f"min_cohort={self.min_cohort} exceeds max_cohort={self.max_cohort}")
-
-    def validate_privacy(self) -> None:
-        """The dp_ settings: a clipping norm under any noise, one way to pick sigma (their ranges
-        are declared on the fields)."""
-        noised = self.dp_noise is not None or self.dp_target_epsilon is not None or self.dp_local
-        if noised and self.dp_clip is None:
-            raise ConfigError("dp_noise, dp_target_epsilon and dp_local need dp_clip (the norm C)")
-        if self.dp_noise is not None and self.dp_target_epsilon is not None:
-            raise ConfigError(
-                "give dp_noise (sigma) or dp_target_epsilon (which picks it), not both"
-            )
 
 
 def tracker_names(log: str | None) -> list[str]:
@@ -331,12 +321,10 @@ def check_number(name: str, value: Any) -> None:
 
 def _fits(kind: Any, value: Any) -> bool:
     """Whether ``value`` already is a ``kind`` (an int is a float too; a bool is no number)."""
-    if kind is bool or kind is str:
-        return isinstance(value, kind)
-    if kind is int or kind is float:
-        number = int if kind is int else int | float
-        return isinstance(value, number) and not isinstance(value, bool)
-    return typing.get_origin(kind) is dict and isinstance(value, dict)
+    kind = typing.get_origin(kind) or kind  # dict[str, Any] -> dict
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, int | float if kind is float else kind)
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -420,10 +408,8 @@ def load_config(
     """A validated config from a ``Config``, a dict, a YAML path or nothing, plus overrides."""
     if isinstance(source, Config):
         base = to_dict(source)
-    elif isinstance(source, dict):
-        base = dict(source)
-    elif source is None:
-        base = {}
+    elif source is None or isinstance(source, dict):
+        base = dict(source or {})
     else:
         base = read_yaml(source)
     if "options" in overrides and "options" in base:

@@ -45,12 +45,6 @@ def metropolis_hastings(adj: np.ndarray) -> np.ndarray:
     return weights + np.diag(1.0 - weights.sum(1))
 
 
-def slem(weights: np.ndarray) -> float:
-    """Second largest eigenvalue modulus of a symmetric stochastic matrix (0 for one client)."""
-    eig = torch.linalg.eigvalsh(torch.from_numpy(np.asarray(weights, dtype=np.float64))).numpy()
-    return float(max(abs(eig[0]), abs(eig[-2]))) if len(eig) > 1 else 0.0
-
-
 def _cap_node_sums(w: np.ndarray, around: list[np.ndarray]) -> np.ndarray:
     """Make edge weights feasible: nonnegative, and at most 1 in total around every node.
 

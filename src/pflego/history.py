@@ -8,8 +8,8 @@ import json
 import math
 import os
 import tempfile
-import threading
 import zipfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,30 +219,18 @@ class CheckpointWriter:
 
     def __init__(self, run_dir: RunDir) -> None:
         self.run_dir = run_dir
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="pflego-checkpoint")
+        self.pending: Future | None = None
 
     def submit(self, state: dict[str, Any]) -> None:
         copy = snapshot(state)
         self.wait()
-        self.thread = threading.Thread(
-            target=self._write, args=(copy,), name="pflego-checkpoint", daemon=False
-        )
-        self.thread.start()
-
-    def _write(self, state: dict[str, Any]) -> None:
-        try:
-            self.run_dir.save_checkpoint(state)
-        except BaseException as exc:  # noqa: BLE001  (raised again in the run's thread by wait)
-            self.error = exc
+        self.pending = self.pool.submit(self.run_dir.save_checkpoint, copy)
 
     def wait(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
 
 
 class RunDir:
@@ -319,11 +307,6 @@ class RunDir:
     def write_config(self, config: dict[str, Any]) -> None:
         atomic_write(self.config, lambda p: p.write_text(yaml.safe_dump(config, sort_keys=False)))
 
-    def client_columns(self) -> list[str] | None:
-        """The header of ``clients.csv``, or ``None`` while it is empty."""
-        with self.clients.open(newline="") as f:
-            return next(csv.reader(f), None)
-
     def log(self, record: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         """Append one evaluation: a metrics line and a row per client.
 
@@ -331,7 +314,8 @@ class RunDir:
         """
         with self.metrics.open("a") as f:
             f.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")
-        columns = self.client_columns()
+        with self.clients.open(newline="") as f:
+            columns = next(csv.reader(f), None)  # the header; None while the file is empty
         new = columns is None
         if new:
             seen = dict.fromkeys(CLIENT_COLUMNS)

@@ -100,10 +100,7 @@ def matmul_peak(device: str = "cpu", repeats: int = 5) -> float:
     2048 on a CPU, 8192 x 8192 on a GPU)."""
     size = 2048 if torch.device(device).type == "cpu" else 8192
     a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
-    best = math.inf
-    for _ in range(repeats + 1):  # the first is a warm-up
-        _, seconds = timed(lambda: a @ b)
-        best = min(best, seconds)
+    best = min(timed(lambda: a @ b)[1] for _ in range(repeats + 1))  # the first: a warm-up
     return 2 * size**3 / best / 1e9
 
 
@@ -160,20 +157,18 @@ def against_row(
         if runner is not None:
             conv_s += conventional.time_rounds(runner, cohorts[t : t + 1], first_round=t)
         ours.append(time_round(sim, t))
+    # pflego's own round 0 would count its probe and vmap's padding: no FLOPs without the other
+    train_conv = conv_eval_s = conv_acc = flops = eval_flops = math.nan
     if runner is not None:
         conv_eval, conv_eval_s = timed(runner.evaluate)
     record, eval_s = timed(lambda: sim.evaluate(rounds))
     if runner is not None:
         with FlopCounterMode(display=False) as eval_counter:  # counted apart from its timing
             runner.evaluate()
+        train_conv, conv_acc = float(np.median(conv_s)), 100 * conv_eval["test_acc"]
+        flops, eval_flops = counter.get_total_flops(), eval_counter.get_total_flops()
     peak = max(before, matmul_peak(device))
     train_ours = float(np.median(ours))
-    train_conv = float(np.median(conv_s)) if runner is not None else math.nan
-    conv_eval_s = conv_eval_s if runner is not None else math.nan
-    conv_acc = 100 * conv_eval["test_acc"] if runner is not None else math.nan
-    # pflego's own round 0 would count its probe and vmap's padding: no FLOPs without the other
-    flops = counter.get_total_flops() if runner is not None else math.nan
-    eval_flops = eval_counter.get_total_flops() if runner is not None else math.nan
     at_peak = lambda count: count / 1e9 / peak if count else math.nan  # noqa: E731  seconds
     percent = 100 * at_peak(flops) / train_ours
     measured = {

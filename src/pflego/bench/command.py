@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 from typing import Any
 
 from pflego.bench.against import AGAINST_ALGORITHMS, AGAINST_MODELS
@@ -20,24 +21,9 @@ def _handler(args: argparse.Namespace) -> int:
         sections = ["against"]
     elif args.clients > SCALE_CLIENTS and sections is None:
         sections = ["scale"]
-    sections = sections or list(SPEED_SECTIONS)
-    run_bench(
-        data_dir=args.data_dir,
-        clients=args.clients,
-        participation=args.participation,
-        taus=args.taus,
-        backend_tau=args.backend_tau,
-        rounds=args.rounds,
-        memory_clients=args.memory_clients,
-        threads=args.threads,
-        out=args.out,
-        sections=sections,
-        against_rounds=args.against_rounds,
-        models=args.models,
-        algorithms=args.algorithms,
-        parallel_rounds=args.parallel_rounds,
-        device=args.device,
-    )
+    flags = inspect.signature(run_bench).parameters  # run_bench's parameters are the flags
+    settings = {k: v for k, v in vars(args).items() if k in flags}
+    run_bench(**{**settings, "sections": sections or list(SPEED_SECTIONS)})
     return 0
 
 

@@ -4,8 +4,8 @@ Peak resident memory is only reported honestly by a fresh process, so each measu
 ``memory`` section (PFLEGO with 10,000 clients, each training mode, with the client state store's
 size) and of the ``scale`` section (``pflego bench --clients N`` with N above
 :data:`SCALE_CLIENTS`: PFLEGO and FedAvg on ``synthetic-stream``, whose clients are generated on
-demand: setup, seconds per round, evaluation on a fixed sample of clients, peak memory) runs a
-script that starts with :data:`PRELUDE` and prints one JSON line of results.
+demand: setup, seconds per round, evaluation on a fixed sample of clients, peak memory) runs
+:data:`SCRIPT`, which prints one JSON line of results.
 """
 
 from __future__ import annotations
@@ -23,105 +23,16 @@ from pflego.bench.shared import markdown
 #: The folder holding this ``pflego`` package: ``src/`` of a source checkout.
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 
-#: How every script run by :func:`in_fresh_process` starts (``{threads}``: torch CPU threads).
-PRELUDE = """
+#: The script of every measurement (``{threads}``: torch CPU threads): setup, a warm-up round,
+#: the median of ``{rounds}`` timed rounds, an evaluation and the peak resident memory.
+SCRIPT = """
 import json, resource, time, torch
 torch.set_num_threads({threads})
 from pflego.config import load_config
-from pflego.sim import Simulation, build_experiment"""
-
-
-def child_env() -> dict[str, str]:
-    """This process's environment, with which a child interpreter imports this very pflego."""
-    paths = [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
-
-
-def in_fresh_process(script: str) -> dict[str, Any] | str:
-    """Run a script in a fresh interpreter that imports this pflego; its last JSON line, or the
-    last line of its error."""
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=False, env=child_env()
-    )
-    if proc.returncode != 0:
-        return (proc.stderr.strip().splitlines()[-1:] or ["no output"])[0]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-MEMORY_SCRIPT = (
-    PRELUDE
-    + """
+from pflego.sim import Simulation, build_experiment
+start = time.perf_counter()
 cfg = load_config({settings!r})
 sim = Simulation(build_experiment(cfg), None)
-start = time.perf_counter()
-for t in range({rounds}):
-    sim.run_round(t)
-seconds = (time.perf_counter() - start) / {rounds}
-record = sim.evaluate({rounds})
-print(json.dumps({{
-    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    "store_mb": sim.store.nbytes() / 2**20,
-    "round_s": seconds,
-    "test_acc": record["test_acc"],
-    "cohort": len(sim.cohort(0)),
-}}))
-"""
-)
-
-
-def memory_row(
-    dataset: str, data_dir: str | None, clients: int, rounds: int, threads: int, batch: int | None
-) -> list[str]:
-    """Peak RSS of a fresh process running PFLEGO with ``clients`` clients."""
-    settings = {
-        "dataset": dataset,
-        "data_dir": data_dir,
-        "clients": clients,
-        "participation": 0.2,
-        "algorithm": "pflego",
-        "inner_steps": 50,
-        "batch_size": batch,
-        "min_client_size": 2,
-    }
-    result = in_fresh_process(
-        MEMORY_SCRIPT.format(threads=threads, settings=settings, rounds=rounds)
-    )
-    if isinstance(result, str):
-        return [str(clients), "failed", result, "", "", ""]
-    return [
-        str(clients),
-        "full-batch GD" if batch is None else f"minibatch SGD (B={batch})",
-        str(result["cohort"]),
-        f"{result['peak_rss_mb']:.0f}",
-        f"{result['store_mb']:.1f}",
-        f"{result['round_s'] * 1e3:.0f}",
-    ]
-
-
-def memory_section(
-    dataset: str, data_dir: str | None, clients: int, rounds: int, threads: int
-) -> list[str]:
-    """The section's Markdown lines: full-batch GD and minibatch SGD (B=10), tau=50."""
-    rows = [memory_row(dataset, data_dir, clients, rounds, threads, b) for b in (None, 10)]
-    return [
-        "",
-        f"## 3. Peak memory, PFLEGO with {clients} clients (tau=50, fresh process)",
-        "",
-        markdown(
-            ["clients", "setting", "cohort", "peak RSS MB", "state store MB", "round ms"],
-            rows,
-        ),
-    ]
-
-
-#: ``pflego bench --clients N`` with N above this measures scale on a generated population.
-SCALE_CLIENTS = 10_000
-
-SCALE_SCRIPT = (
-    PRELUDE
-    + """
-start = time.perf_counter()
-sim = Simulation(build_experiment(load_config({settings!r})), None)
 setup = time.perf_counter() - start
 sim.run_round(0)  # warm-up
 seconds = []
@@ -135,14 +46,78 @@ print(json.dumps({{
     "setup_s": setup,
     "round_s": sorted(seconds)[len(seconds) // 2],
     "eval_s": time.perf_counter() - start,
-    "eval_clients": record.get("eval_clients", {clients}),
+    "eval_clients": record.get("eval_clients", cfg.clients),
     "test_acc": record["test_acc"],
     "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     "store_mb": sim.store.nbytes() / 2**20,
     "backend": sim.backend_name,
+    "cohort": len(sim.cohort(0)),
 }}))
 """
-)
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment, with which a child interpreter imports this very pflego."""
+    paths = [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+
+
+def in_fresh_process(settings: dict[str, Any], rounds: int, threads: int) -> dict[str, Any] | str:
+    """Run :data:`SCRIPT` on ``settings`` in a fresh interpreter that imports this pflego; what
+    it measured, or the last line of its error."""
+    script = SCRIPT.format(threads=threads, settings=settings, rounds=rounds)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, env=child_env()
+    )
+    if proc.returncode != 0:
+        return (proc.stderr.strip().splitlines()[-1:] or ["no output"])[0]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def memory_section(
+    dataset: str, data_dir: str | None, clients: int, rounds: int, threads: int
+) -> list[str]:
+    """The section's Markdown lines: peak RSS of a fresh process running PFLEGO with ``clients``
+    clients, full-batch GD and minibatch SGD (B=10), tau=50."""
+    rows = []
+    for batch in (None, 10):
+        settings = {
+            "dataset": dataset,
+            "data_dir": data_dir,
+            "clients": clients,
+            "participation": 0.2,
+            "algorithm": "pflego",
+            "inner_steps": 50,
+            "batch_size": batch,
+            "min_client_size": 2,
+        }
+        result = in_fresh_process(settings, rounds, threads)
+        if isinstance(result, str):
+            rows.append([str(clients), "failed", result, "", "", ""])
+            continue
+        rows.append(
+            [
+                str(clients),
+                "full-batch GD" if batch is None else f"minibatch SGD (B={batch})",
+                str(result["cohort"]),
+                f"{result['peak_rss_mb']:.0f}",
+                f"{result['store_mb']:.1f}",
+                f"{result['round_s'] * 1e3:.0f}",
+            ]
+        )
+    return [
+        "",
+        f"## 3. Peak memory, PFLEGO with {clients} clients (tau=50, fresh process)",
+        "",
+        markdown(
+            ["clients", "setting", "cohort", "peak RSS MB", "state store MB", "round ms"], rows
+        ),
+    ]
+
+
+#: ``pflego bench --clients N`` with N above this measures scale on a generated population.
+SCALE_CLIENTS = 10_000
+
 SCALE_HEADER = [
     "algorithm",
     "clients",
@@ -170,8 +145,7 @@ def scale_row(
         "client_lr": 0.05,
         "eval_clients": eval_clients,
     }
-    script = SCALE_SCRIPT.format(threads=threads, settings=settings, rounds=rounds, clients=clients)
-    result = in_fresh_process(script)
+    result = in_fresh_process(settings, rounds, threads)
     if isinstance(result, str):
         return [algorithm, str(clients), str(cohort), "failed", result, "", "", "", "", ""]
     return [

@@ -98,8 +98,9 @@ def median_round(sim: Simulation, rounds: int) -> float:
     return float(np.median([time_round(sim, t) for t in range(1, rounds + 1)]))
 
 
-def backend_table(bench: Bench, rounds: int, tau: int) -> list[list[str]]:
-    """A row per training mode and algorithm: milliseconds per round on each backend."""
+def backend_section(bench: Bench, rounds: int, tau: int) -> list[str]:
+    """The section's Markdown lines: a row per training mode and algorithm, milliseconds per
+    round on each backend (full batch: ``tau`` local steps; minibatch: one epoch)."""
     rows = []
     for mode, settings in MODES.items():
         steps = {"inner_steps": tau} if not settings else {"local_epochs": 1.0}
@@ -114,19 +115,13 @@ def backend_table(bench: Bench, rounds: int, tau: int) -> list[list[str]]:
                 + [f"{times[b] * 1e3:.0f}" for b in BACKEND_NAMES]
                 + [auto, f"{times['loop'] / times[auto]:.1f}x"]
             )
-    return rows
-
-
-def backend_section(bench: Bench, rounds: int, tau: int) -> list[str]:
-    """The section's Markdown lines (full batch: ``tau`` local steps; minibatch: one epoch)."""
     return [
         "",
         f"## 1. Per-round wall clock by backend (full batch: tau={tau}; "
         "minibatch: one local epoch)",
         "",
         markdown(
-            ["setting", "algorithm", *(f"{b} ms" for b in BACKEND_NAMES), "auto", "vs loop"],
-            backend_table(bench, rounds, tau),
+            ["setting", "algorithm", *(f"{b} ms" for b in BACKEND_NAMES), "auto", "vs loop"], rows
         ),
     ]
 
@@ -141,8 +136,9 @@ def client_flops(sim: Simulation, t: int) -> int:
     return counter.get_total_flops()
 
 
-def tau_table(bench: Bench, rounds: int, taus: Sequence[int]) -> list[list[str]]:
-    """A row per training mode, algorithm and tau: GFLOP and milliseconds per round."""
+def tau_section(bench: Bench, rounds: int, taus: Sequence[int]) -> list[str]:
+    """The section's Markdown lines: a row per training mode, algorithm and tau, GFLOP and
+    milliseconds per round."""
     rows = []
     for mode, settings in MODES.items():
         for name in ALGORITHMS:
@@ -163,17 +159,11 @@ def tau_table(bench: Bench, rounds: int, taus: Sequence[int]) -> list[list[str]]
                         f"{seconds / first[1]:.2f}x",
                     ]
                 )
-    return rows
-
-
-def tau_section(bench: Bench, rounds: int, taus: Sequence[int]) -> list[str]:
-    """The section's Markdown lines."""
     return [
         "",
         "## 2. Client FLOPs and wall clock per round against tau (vmap backend)",
         "",
         markdown(
-            ["setting", "algorithm", "tau", "GFLOP", "vs first", "round ms", "vs first"],
-            tau_table(bench, rounds, taus),
+            ["setting", "algorithm", "tau", "GFLOP", "vs first", "round ms", "vs first"], rows
         ),
     ]

@@ -31,7 +31,7 @@ from pflego.errors import ConfigError
 def add_commands(subparsers: Any) -> None:
     """Add the ``flower`` command group (``local``, ``simulate``, ``certs``, ``run-config``) to
     ``subparsers``."""
-    flower = subparsers.add_parser("flower", help="run on Flower (needs pflego[flower])")
+    flower = subparsers.add_parser("flower")  # its help: pflego.cli.COMMANDS
     commands = flower.add_subparsers(dest="flower_command", metavar="COMMAND")
     add_local(commands)
     add_simulate(commands)

@@ -57,37 +57,23 @@ def summary(history) -> str:
     )
 
 
-def _resume_rounds(args: argparse.Namespace) -> int | None:
-    """``--rounds`` given with ``--resume``; any other setting is refused with one line."""
-    given = [f for f, v in (("--config", args.config), ("--out", args.out)) if v is not None]
-    given += ["--overwrite"] * args.overwrite + ["--profile"] * args.profile
-    return resume_rounds(args, given, "its config.yaml")
-
-
 def _resumable(out: Path) -> Interrupted:
     return Interrupted(f"interrupted; continue with `pflego run --resume {out}`")
-
-
-def _claim_out(out: Path, overwrite: bool) -> None:
-    """Refuse an ``--out`` that holds an experiment, tuning or report (a run there is
-    ``claim_run_dir``'s to refuse), or clear it with ``--overwrite``."""
-    from pflego.experiments.folders import check_out, clear_out, kind_of
-
-    if kind_of(out) not in (None, "run"):
-        check_out(out, "run", overwrite)
-        clear_out(out)
 
 
 def _start(args: argparse.Namespace, progress: bool) -> Any:
     """A new run of the flags' settings (over ``--nproc`` processes where asked); its history."""
     from pflego.config import load_config, to_dict
+    from pflego.experiments.folders import check_out, clear_out, kind_of
     from pflego.history import claim_run_dir, release_run_dir
     from pflego.sim import Profile, build_experiment, default_out, process_age, run, run_experiment
     from pflego.sim.distributed import distributed
 
     config = load_config(args.config, **settings_from_args(args))
     out = Path(args.out or config.out or default_out(config)).expanduser()
-    _claim_out(out, args.overwrite)
+    if kind_of(out) not in (None, "run"):  # a run there is claim_run_dir's to refuse
+        check_out(out, "run", args.overwrite)  # an experiment, tuning or report: --overwrite
+        clear_out(out)
     distributed_run = distributed(args.nproc)  # --nproc N, or one process torchrun started
     created = None if distributed_run else claim_run_dir(out, to_dict(config), args.overwrite)
     try:
@@ -118,7 +104,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return cmd_run_seeds(args)
     progress = not args.quiet
     if args.resume:
-        rounds = _resume_rounds(args)
+        given = [f for f, v in (("--config", args.config), ("--out", args.out)) if v is not None]
+        given += ["--overwrite"] * args.overwrite + ["--profile"] * args.profile
+        rounds = resume_rounds(args, given, "its config.yaml")
         say = lambda line: print(f"pflego: {line}", file=sys.stderr, flush=True)  # noqa: E731
         try:
             history = resume(

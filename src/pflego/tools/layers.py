@@ -56,7 +56,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("algorithms", ("pflego.algorithms",)),
     ("simulation", ("pflego.sim",)),
-    ("experiments", ("pflego.experiments", "pflego.bench", "pflego.comm", "pflego.report")),
+    ("experiments", ("pflego.experiments", "pflego.bench", "pflego.comm")),
     ("flower", ("pflego.flower",)),
     ("command line", ("pflego.cli",)),
     ("package face", ("pflego", "pflego.tools", "pflego.configs")),
@@ -157,38 +157,22 @@ def graph(root: Path = PACKAGE_ROOT) -> dict[str, set[str]]:
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected sets of two or more modules (Tarjan's algorithm), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
+    """The sets of two or more modules that each reach all the others by imports, each sorted."""
 
-    def visit(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for succ in edges.get(node, ()):
-            if succ not in index:
-                visit(succ)
-                low[node] = min(low[node], low[succ])
-            elif succ in on_stack:
-                low[node] = min(low[node], index[succ])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                component.append(member)
-                if member == node:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for succ in edges.get(todo.pop(), ()):
+                if succ not in seen:
+                    seen.add(succ)
+                    todo.append(succ)
+        return seen
 
-    for node in sorted(edges):
-        if node not in index:
-            visit(node)
-    return found
+    reachable = {node: reach(node) for node in edges}
+    found = {
+        tuple(sorted(n for n in reachable[node] if node in reachable.get(n, ()))) for node in edges
+    }
+    return sorted(list(c) for c in found if len(c) > 1)
 
 
 def violations(edges: dict[str, set[str]]) -> list[Violation]:

@@ -79,11 +79,5 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    """Print the page."""
-    sys.stdout.write(render())
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.stdout.write(render())
