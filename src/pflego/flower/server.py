@@ -22,8 +22,9 @@ round's event and logged, and the round goes on with the answers that arrived. A
 cannot do is refused first (:mod:`.unsupported`). A run that diverges (``DivergedError``: a
 round whose every update or whose server state is not finite, or the simulator's divergence check
 of the training loss under ``divergence=stop``) stops and is logged in ``flower.jsonl`` as phase
-``diverged`` (``pflego flower local`` then exits with code 3). Each round prints and logs a status line (sampled / answered / failed
-clients, bytes down and up, seconds per phase, :mod:`.status`).
+``diverged`` (``pflego flower local`` then exits with code 3). Each round prints and logs a
+status line (sampled / answered / failed clients, bytes down and up, seconds per phase,
+:mod:`.status`).
 
 After every round the server saves its state atomically in the run directory (``checkpoint.pt``):
 the next round, the algorithm's server state, the population, the records, the dropped updates,
@@ -169,13 +170,9 @@ class FlowerServer:
     def wait_for_nodes(self) -> None:
         """Wait until ``config.clients`` nodes are online, or ``join_timeout`` passes (go on)."""
         deadline = time.monotonic() + self.join_timeout
-        while len(list(self.grid.get_node_ids())) < self.cfg.clients:
+        while (online := len(list(self.grid.get_node_ids()))) < self.cfg.clients:
             if time.monotonic() > deadline:
-                log.warning(
-                    "starting with %d of %d nodes online",
-                    len(list(self.grid.get_node_ids())),
-                    self.cfg.clients,
-                )
+                log.warning("starting with %d of %d nodes online", online, self.cfg.clients)
                 break
             time.sleep(1.0)
 

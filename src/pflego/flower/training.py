@@ -1,18 +1,13 @@
-"""A Flower server's training round as the transports of the engine's round: cohort downlinks,
-the uploads that arrived, plain or through SecAgg+.
+"""A Flower server's training round: the transports of the engine's round, plain or SecAgg+.
 
-Each round the server draws the simulator's cohort over the known population (exactly r clients,
-or each with probability p, seeded by ``seed_for(seed, 1, t)``), sends each sampled client's node
-the downlink and the round's ``RoundContext``, waits up to ``round_timeout`` seconds, and hands
-the uploads that arrived, in client order, to the algorithm's ``server_round`` (or sums them with
-SecAgg+, :mod:`.secure`). Missing nodes never stop the run: the round aggregates what arrived with
-the context's cohort size scaled by the realized response rate ``q̂ = |answered| / |sampled|``
-(see ``docs/flower.md`` for why this keeps PFLEGO's shared-parameter step unbiased); a round with
-no answer changes nothing. An answer whose upload (checked on the server) or new state (checked on
-the node) is not finite is dropped like a missing one and logged as ``dropped``; a round whose
-every answer is non-finite, or whose server parameters become non-finite, stops the run with
-``DivergedError``. Under central differential privacy the server clips and noises the aggregate
-itself; under ``dp_local`` each node clips and noises its own upload.
+Each sampled client's node gets the downlink and the round's ``RoundContext``; the uploads that
+arrived within ``round_timeout`` seconds go, in client order, to the algorithm's ``server_round``
+(or are summed with SecAgg+, :mod:`.secure`). The engine scales the cohort size by the realized
+response rate ``q̂ = |answered| / |sampled|`` (why this keeps PFLEGO's shared-parameter step
+unbiased: :mod:`pflego.flower`); a round with no answer changes nothing. An answer whose upload
+(checked on the server) or new state (checked on the node) is not finite is dropped like a
+missing one and logged as ``dropped``. Under central differential privacy the server clips and
+noises the aggregate itself; under ``dp_local`` each node clips and noises its own upload.
 """
 
 from __future__ import annotations
