@@ -519,3 +519,29 @@ def test_every_update_non_finite_stops_the_flower_run_with_exit_code_3(tmp_path,
     assert caught.value.exit_code == 3
     assert divergence(tmp_path / "flower") == str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("mode", ["stop", "warn"])
+def test_an_exploding_loss_stops_the_flower_run_as_it_stops_the_simulator(tmp_path, mode):
+    """The simulator's divergence check runs after each Flower evaluation: the loss of FedAvg at
+    client_lr 10 grows ~1000x a round and stays finite (tests/test_divergence.py)."""
+    from pflego.cli.flower_local import divergence
+    from pflego.errors import DivergedError
+    from pflego.sim import run
+
+    settings = dict(dataset="tiny", algorithm="fedavg", clients=6, rounds=2, client_lr=10.0)
+    settings |= dict(classes_per_client=2, inner_steps=3, eval_every=1, dtype="float64")
+    config = load_config(None, divergence=mode, backend="loop", **settings)
+    grid = InProcessGrid(client_app, config, tmp_path / "state")
+    flower = FlowerServer(config, grid, RunDir(tmp_path / "flower"), join_timeout=1)
+    if mode == "warn":
+        flower.run()
+        assert [r["round"] for r in flower.records] == [0, 1, 2]
+        return
+    with pytest.raises(DivergedError, match="the training loss grew from") as caught:
+        flower.run()
+    with pytest.raises(DivergedError) as simulated:
+        run(config, out=tmp_path / "sim", progress=False)
+    assert str(caught.value) == str(simulated.value) and caught.value.exit_code == 3
+    assert divergence(tmp_path / "flower") == str(caught.value)
+    assert [r["round"] for r in flower.records] == [0, 1, 2]

@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("flwr", exc_type=ImportError)
 
+from data_formats import export_partition, write_site  # noqa: E402
 from flower_inprocess import InProcessGrid  # noqa: E402
 
 from pflego.algorithms import ALGORITHMS, Algorithm  # noqa: E402
@@ -25,7 +26,7 @@ from pflego.flower.node import SiteSource, StateFiles  # noqa: E402
 from pflego.flower.population import Report, Task, form_task, label_space  # noqa: E402
 from pflego.flower.secure import SecureAggregation  # noqa: E402
 from pflego.flower.server import FlowerServer  # noqa: E402
-from pflego.flower.sitedata import Site, export_partition, read_site, write_site  # noqa: E402
+from pflego.flower.sitedata import Site, read_site  # noqa: E402
 from pflego.flower.unsupported import refuse_unsupported  # noqa: E402
 from pflego.history import RunDir  # noqa: E402
 from pflego.sim import Simulation, build_experiment  # noqa: E402
@@ -173,8 +174,8 @@ def test_the_server_forms_the_simulators_population_from_reports(tmp_path):
     assert server.population.num_clients == 5
     assert server.population.total_train == sim.exp.data.total_train
     for t in range(6):  # I, r, N and the step sizes, hence alpha_i = N_i/N and I/r
-        assert server.population.context(config, server.algorithm, t) == sim.context(t)
-        assert np.array_equal(server.population.cohort(config, server.algorithm, t), sim.cohort(t))
+        assert server.sampling.context(t) == sim.context(t)
+        assert np.array_equal(server.sampling.cohort(t), sim.cohort(t))
 
 
 # --- site data equals the simulator ------------------------------------------------------------
@@ -253,7 +254,7 @@ def test_a_late_joiner_enters_the_population_at_the_next_round(tmp_path):
     server.start()
     sizes = {m.site: m.n_train for m in server.population.members}
     assert server.population.num_clients == 4 and "partition-2" not in sizes
-    ctx0 = server.population.context(config, server.algorithm, 0)
+    ctx0 = server.sampling.context(0)
     assert (
         ctx0.num_clients == 4
         and ctx0.cohort_size == 2
@@ -265,7 +266,7 @@ def test_a_late_joiner_enters_the_population_at_the_next_round(tmp_path):
     event = server.run_round(1)
     member = server.population.members[4]
     assert (member.site, member.joined) == ("partition-2", 1)
-    ctx1 = server.population.context(config, server.algorithm, 1)
+    ctx1 = server.sampling.context(1)
     assert (ctx1.num_clients, ctx1.cohort_size) == (5, 2)  # r = round(0.5 * 5)
     assert ctx1.total_samples == ctx0.total_samples + member.n_train
     assert event["population"] == 5
@@ -442,7 +443,7 @@ def test_secagg_aggregate_equals_the_plain_one_within_the_reported_bound(
     assert len(set(sizes)) > 1
     report = secure_event["secagg"]
     assert report["step"] == pytest.approx(2 * 8.0 / 2**22) and report["clipped"] == 0
-    lr = plain.population.context(config, plain.algorithm, 0).server_lr
+    lr = plain.sampling.context(0).server_lr
     largest = moved = 0.0
     for key in before:  # server SGD: theta - lr * aggregate, so the aggregates differ by diff/lr
         diff = (plain.server["params"][key] - secure.server["params"][key]).abs().max() / lr

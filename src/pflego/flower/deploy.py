@@ -35,7 +35,6 @@ import tomli_w
 from pflego.errors import PflegoError
 from pflego.flower.certs import Credentials
 
-CONNECTION = "local-deployment"
 NETNS_MARK = "PFLEGO_IN_NETNS"
 #: The network namespace of the launcher that made the private one (``net:[inode]``).
 NETNS_OUTER = "PFLEGO_OUTER_NETNS"
@@ -228,7 +227,7 @@ class LocalDeployment:
     """
 
     #: The name of this SuperLink in ``$FLWR_HOME/config.toml`` (``flwr run <app> <connection>``).
-    connection = CONNECTION
+    connection = "local-deployment"
 
     def __init__(
         self,

@@ -18,13 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
-import numpy as np
-
-from pflego.algorithms import Algorithm
-from pflego.config import Config
 from pflego.errors import ConfigError, DataError
-from pflego.sim.engine import Sampling
-from pflego.types import RoundContext
 
 
 def natural_key(text: str) -> list[Any]:
@@ -193,8 +187,8 @@ class Member(Record):
 class Population:
     """The clients a Flower server knows, their sample counts, and the round maths over them.
 
-    ``num_clients`` (I) and ``total_train`` (N) are what the simulator's ``context`` and
-    ``cohort`` read, so a round's context and cohort are the simulator's for the same population.
+    ``num_clients`` (I) and ``total_train`` (N) are what the simulator's :class:`~pflego.sim.engine.
+    Sampling` reads, so a round's context and cohort are the simulator's for the same population.
     """
 
     def __init__(self, task: Task) -> None:
@@ -232,14 +226,6 @@ class Population:
                 )
                 outcome[report.site] = len(self.members) - 1
         return outcome
-
-    def context(self, config: Config, algorithm: Algorithm, t: int) -> RoundContext:
-        """Round t's context over the known population (the simulator's :class:`Sampling`)."""
-        return Sampling(config, algorithm, self).context(t)
-
-    def cohort(self, config: Config, algorithm: Algorithm, t: int) -> np.ndarray:
-        """Round t's sampled client ids (the simulator's draw over I known clients)."""
-        return Sampling(config, algorithm, self).cohort(t)
 
     def summary(self) -> list[dict[str, Any]]:
         """``partition.json`` rows: each client's name, classes (global ids) and counts."""

@@ -81,15 +81,6 @@ class SecureAggregation:
         return self
 
 
-def refuse_unless_sum(cls: type[Algorithm], name: str) -> None:
-    """One line for an algorithm (class) whose aggregate secure aggregation cannot compute."""
-    if not cls.sum_aggregate or cls.server_round is not Algorithm.server_round:
-        raise ConfigError(
-            f"--secure-aggregation sums the uploads, but {name}'s aggregate is not a weighted "
-            "sum of them; run it without --secure-aggregation"
-        )
-
-
 def cohort_factor(
     algorithm: Algorithm, weights: torch.Tensor, counts: torch.Tensor, ctx: RoundContext
 ) -> float:

@@ -37,8 +37,6 @@ import tomli_w
 from pflego.errors import ConfigError
 from pflego.flower.deploy import NETNS_OUTER, LocalDeployment, StopFlag
 
-SIMULATION_CONNECTION = "local-simulation"
-
 
 @dataclass(frozen=True)
 class Resources:
@@ -118,19 +116,12 @@ def simulation_env(ray_tmp: Path) -> dict[str, str]:
 class LocalSimulation(LocalDeployment):
     """A SuperLink in simulation mode on 127.0.0.1 (no SuperNode daemons: Ray's virtual ones).
 
-    Use as a context manager, as :class:`~pflego.flower.deploy.LocalDeployment`: every process
-    it started is stopped on exit.
-
-    Args:
-        workdir: Holds ``FLWR_HOME`` and the logs (Ray's files go to a short temporary folder,
-            removed on exit).
-        federation: The federation config of every run (:func:`federation_config`).
-        say: Where progress lines go.
-        stop: A flag that makes every wait raise ``KeyboardInterrupt`` when set.
-        extra_env: Environment variables added for every Flower process.
+    A context manager, with the arguments of :class:`~pflego.flower.deploy.LocalDeployment` and
+    ``federation``, the federation config of every run (:func:`federation_config`). Ray's files
+    go to a short temporary folder, removed on exit.
     """
 
-    connection = SIMULATION_CONNECTION
+    connection = "local-simulation"
 
     def __init__(
         self,

@@ -1,87 +1,42 @@
-"""A Flower server's training round: cohort, downlinks, uploads that arrived, the server step.
+"""A Flower server's training round: the transports of the engine's round, plain or SecAgg+.
 
-Each round the server draws the simulator's cohort over the known population (exactly r clients,
-or each with probability p, seeded by ``seed_for(seed, 1, t)``), sends each sampled client's node
-the downlink and the round's ``RoundContext``, waits up to ``round_timeout`` seconds, and hands
-the uploads that arrived, in client order, to the algorithm's ``server_round`` (or sums them with
-SecAgg+, :mod:`.secure`). Missing nodes never stop the run: the round aggregates what arrived with
-the context's cohort size scaled by the realized response rate ``q̂ = |answered| / |sampled|``
-(see ``docs/flower.md`` for why this keeps PFLEGO's shared-parameter step unbiased); a round with
-no answer changes nothing. An answer whose upload (checked on the server) or new state (checked on
-the node) is not finite is dropped like a missing one and logged as ``dropped``; a round whose
-every answer is non-finite, or whose server parameters become non-finite, stops the run with
-``DivergedError``. Under central differential privacy the server clips and noises the aggregate
-itself; under ``dp_local`` each node clips and noises its own upload.
+Each sampled client's node gets the downlink and the round's ``RoundContext``; the uploads that
+arrived within ``round_timeout`` seconds go, in client order, to the algorithm's ``server_round``
+(or are summed with SecAgg+, :mod:`.secure`). The engine scales the cohort size by the realized
+response rate ``q̂ = |answered| / |sampled|`` (why this keeps PFLEGO's shared-parameter step
+unbiased: :mod:`pflego.flower`); a round with no answer changes nothing. An answer whose upload
+(checked on the server) or new state (checked on the node) is not finite is dropped like a
+missing one and logged as ``dropped``. Under central differential privacy the server clips and
+noises the aggregate itself; under ``dp_local`` each node clips and noises its own upload.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from pflego.flower.membership import Membership
 from pflego.flower.records import client_out_from_record
-from pflego.flower.secure import SecureAggregation, cohort_factor, run_protocol, secure_outs
+from pflego.flower.secure import cohort_factor, run_protocol, secure_outs
 from pflego.flower.status import timed
 from pflego.sim.backends import stack_outs
-from pflego.sim.engine import Sampling, run_round
 from pflego.sim.guards import Updates
 from pflego.types import ClientState, RoundContext, ServerState
 
+if TYPE_CHECKING:
+    from pflego.flower.server import FlowerServer
+
 log = logging.getLogger("pflego.flower")
-
-
-class TrainingRounds(Membership):
-    """The training rounds of a Flower server: the engine's round with Flower messages, plain
-    or through SecAgg+, as its transport.
-
-    Attributes:
-        secure: SecAgg+ settings to sum the uploads securely, or ``None``.
-        dropped: ``[round, client]`` of the non-finite updates left out since the last evaluation.
-        secure_errors: This evaluation period's SecAgg+ error bounds.
-    """
-
-    secure: SecureAggregation | None
-    dropped: list[list[int]]
-    secure_errors: list[float]
-
-    def run_round(self, t: int) -> dict[str, Any]:
-        """One training round; returns what happened (sampled, answered, missing clients)."""
-        phases: dict[str, float] = {}
-        self.grid.down = self.grid.up = 0
-        with timed(phases, "query"):
-            self.discover(t)
-        transport = (PlainTransport if self.secure is None else SecureTransport)(self, phases)
-        sampling = Sampling(self.cfg, self.algorithm, self.population)
-        done = run_round(t, sampling, transport, self.server, self.privacy)
-        event: dict[str, Any] = {
-            "round": t,
-            "phase": "train",
-            "population": self.population.num_clients,
-            "sampled": done.sampled.tolist(),
-            "answered": [],
-            "missing": {},
-            **transport.event,
-        }
-        if len(done.dropped):
-            dropped = done.dropped.tolist()
-            log.warning("round %d: non-finite updates of clients %s dropped", t, dropped)
-            self.dropped += [[t, c] for c in dropped]
-            event["dropped"] = dropped
-        if len(done.kept):
-            event["cohort_size"] = done.ctx.cohort_size
-        return event | {"bytes_down": self.grid.down, "bytes_up": self.grid.up, "phases": phases}
 
 
 class PlainTransport:
     """The round's uploads, each sent in the clear: the node checks its upload and new state,
     the engine checks the upload again on the server."""
 
-    def __init__(self, rounds: TrainingRounds, phases: dict[str, float]) -> None:
+    def __init__(self, rounds: FlowerServer, phases: dict[str, float]) -> None:
         self.rounds, self.phases = rounds, phases
         self.event: dict[str, Any] = {}
         self.trained = 0.0

@@ -13,7 +13,6 @@ from __future__ import annotations
 from pflego.algorithms import ALGORITHMS, Algorithm
 from pflego.config import Config
 from pflego.errors import ConfigError
-from pflego.flower.secure import refuse_unless_sum
 
 
 def refuse_unsupported(config: Config, secure: bool = False) -> None:
@@ -40,7 +39,11 @@ def refuse_unsupported(config: Config, secure: bool = False) -> None:
             "`pflego run`"
         )
     if secure:
-        refuse_unless_sum(cls, config.algorithm)
+        if not cls.sum_aggregate or cls.server_round is not Algorithm.server_round:
+            raise ConfigError(
+                f"--secure-aggregation sums the uploads, but {config.algorithm}'s aggregate is "
+                "not a weighted sum of them; run it without --secure-aggregation"
+            )
         if config.dp_clip is not None and not config.dp_local:
             raise ConfigError(
                 "central differential privacy clips every upload on the server, which secure "
