@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import gzip
 import io
 import json
@@ -217,86 +216,3 @@ def zip_folder(folder: Path, path: Path) -> Path:
             if file.is_file():
                 z.write(file, str(file.relative_to(folder.parent)))
     return path
-
-
-# --- Flower sites -------------------------------------------------------------------------------
-
-
-def write_site(
-    folder: str | Path,
-    fmt: str,
-    x_train: np.ndarray,
-    y_train: np.ndarray,
-    x_test: np.ndarray,
-    y_test: np.ndarray,
-) -> Path:
-    """Write one Flower site's train and test parts in format ``fmt`` (:mod:`pflego.flower.
-    sitedata`); returns the path for ``data=``.
-
-    ``imagefolder`` and ``idx`` take uint8 images ``[n, C, H, W]`` (C = 1 or 3; idx: C = 1);
-    ``npz`` writes ``folder/data.npz``; ``csv`` writes ``train.csv`` and ``test.csv`` with the
-    flattened inputs as features and a ``label`` column. Samples keep their order (image files
-    are numbered).
-    """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    parts = {"train": (x_train, y_train), "test": (x_test, y_test)}
-    if fmt == "npz":
-        path = folder / "data.npz"
-        np.savez(path, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
-        return path
-    if fmt == "imagefolder":
-        for split, (x, y) in parts.items():
-            for k, (image, label) in enumerate(zip(x, y)):
-                target = folder / split / str(label)
-                target.mkdir(parents=True, exist_ok=True)
-                pixels = image[0] if image.shape[0] == 1 else image.transpose(1, 2, 0)
-                Image.fromarray(pixels).save(target / f"{k:06d}.png")
-    elif fmt == "csv":
-        for split, (x, y) in parts.items():
-            flat = x.reshape(len(x), -1)
-            with (folder / f"{split}.csv").open("w", newline="") as f:
-                writer = csv.writer(f)
-                writer.writerow([f"x{j}" for j in range(flat.shape[1])] + ["label"])
-                writer.writerows(
-                    [*map(repr, map(float, row)), label] for row, label in zip(flat, y)
-                )
-    elif fmt == "idx":
-        for prefix, (x, y) in (("train", parts["train"]), ("t10k", parts["test"])):
-            images = x.reshape(len(x), *x.shape[-2:])
-            (folder / f"{prefix}-images-idx3-ubyte").write_bytes(idx_bytes(images))
-            (folder / f"{prefix}-labels-idx1-ubyte").write_bytes(idx_bytes(np.asarray(y)))
-    else:
-        raise ValueError(f"format={fmt!r}")
-    return folder
-
-
-def export_partition(config, root: str | Path, fmt: str = "imagefolder") -> list[Path]:
-    """Write every client of the simulator's partition of ``config`` as a Flower site
-    ``root/site<i>`` (the tests compare such runs with the simulator).
-
-    Inputs are written as stored (uint8 images), except ``csv``, which holds model inputs.
-    Returns each site's ``data=`` path.
-    """
-    import torch
-
-    from pflego.sim import build_experiment
-
-    data = build_experiment(config).data
-    paths = []
-    for i in range(data.num_clients):
-        train, test = data.train_slice(i), data.test_slice(i)
-        x_train, x_test = data.x_train[train].numpy(), data.x_test[test].numpy()
-        if fmt == "csv":
-            x_train, x_test = (data.inputs(torch.from_numpy(x)).numpy() for x in (x_train, x_test))
-        paths.append(
-            write_site(
-                Path(root) / f"site{i}",
-                fmt,
-                x_train,
-                data.y_train[train].numpy(),
-                x_test,
-                data.y_test[test].numpy(),
-            )
-        )
-    return paths

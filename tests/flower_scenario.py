@@ -33,12 +33,11 @@ import time
 import traceback
 from pathlib import Path
 
-from data_formats import export_partition
-
 from pflego.config import load_config, to_dict
 from pflego.flower.certs import generate
 from pflego.flower.deploy import LocalDeployment
 from pflego.flower.records import encode_config
+from pflego.flower.sitedata import export_partition
 
 BASE = dict(
     clients=3,

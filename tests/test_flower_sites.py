@@ -15,7 +15,6 @@ import torch
 
 pytest.importorskip("flwr", exc_type=ImportError)
 
-from data_formats import export_partition, write_site  # noqa: E402
 from flower_inprocess import InProcessGrid  # noqa: E402
 
 from pflego.algorithms import ALGORITHMS, Algorithm  # noqa: E402
@@ -26,7 +25,7 @@ from pflego.flower.node import SiteSource, StateFiles  # noqa: E402
 from pflego.flower.population import Report, Task, form_task, label_space  # noqa: E402
 from pflego.flower.secure import SecureAggregation  # noqa: E402
 from pflego.flower.server import FlowerServer  # noqa: E402
-from pflego.flower.sitedata import Site, read_site  # noqa: E402
+from pflego.flower.sitedata import Site, export_partition, read_site, write_site  # noqa: E402
 from pflego.flower.unsupported import refuse_unsupported  # noqa: E402
 from pflego.history import RunDir  # noqa: E402
 from pflego.sim import Simulation, build_experiment  # noqa: E402

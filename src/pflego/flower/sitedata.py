@@ -298,3 +298,89 @@ class Site:
             data.client_classes = torch.cat([data.client_classes, pad], 1)
         data.input_shape = tuple(task.input_shape)
         return data
+
+
+# --- writing sites (rehearsals and tests) -------------------------------------------------------
+
+
+def write_site(
+    folder: str | Path,
+    fmt: str,
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+) -> Path:
+    """Write one site's train and test parts in format ``fmt``; returns the path for ``data=``.
+
+    ``imagefolder`` and ``idx`` take uint8 images ``[n, C, H, W]`` (C = 1 or 3; idx: C = 1);
+    ``npz`` writes ``folder/data.npz``; ``csv`` writes ``train.csv`` and ``test.csv`` with the
+    flattened inputs as features and a ``label`` column. Samples keep their order (image files are numbered).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = {"train": (x_train, y_train), "test": (x_test, y_test)}
+    if fmt == "npz":
+        path = folder / "data.npz"
+        np.savez(path, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
+        return path
+    if fmt == "imagefolder":
+        from PIL import Image
+
+        for split, (x, y) in parts.items():
+            for k, (image, label) in enumerate(zip(x, y)):
+                target = folder / split / str(label)
+                target.mkdir(parents=True, exist_ok=True)
+                pixels = image[0] if image.shape[0] == 1 else image.transpose(1, 2, 0)
+                Image.fromarray(pixels).save(target / f"{k:06d}.png")
+        return folder
+    if fmt == "csv":
+        for split, (x, y) in parts.items():
+            flat = x.reshape(len(x), -1)
+            with (folder / f"{split}.csv").open("w", newline="") as f:
+                writer = csv.writer(f)
+                writer.writerow([f"x{j}" for j in range(flat.shape[1])] + ["label"])
+                writer.writerows(
+                    [*map(repr, map(float, row)), label] for row, label in zip(flat, y)
+                )
+        return folder
+    if fmt == "idx":
+        for prefix, (x, y) in (("train", parts["train"]), ("t10k", parts["test"])):
+            images = x.reshape(len(x), *x.shape[-2:]).astype(np.uint8)
+            labels = np.asarray(y).astype(np.uint8)
+            for name, array, ndim in (("images-idx3", images, 3), ("labels-idx1", labels, 1)):
+                header = bytes([0, 0, 0x08, ndim]) + b"".join(
+                    int(d).to_bytes(4, "big") for d in array.shape
+                )
+                (folder / f"{prefix}-{name}-ubyte").write_bytes(header + array.tobytes())
+        return folder
+    raise ConfigError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
+
+
+def export_partition(config: Config, root: str | Path, fmt: str = "imagefolder") -> list[Path]:
+    """Write every client of the simulator's partition of ``config`` as a site
+    ``root/site<i>`` (for rehearsing a deployment, and for tests that compare with the simulator).
+
+    Inputs are written as stored (uint8 images), except ``csv``, which holds model inputs.
+    Returns each site's ``data=`` path.
+    """
+    from pflego.sim import build_experiment
+
+    data = build_experiment(config).data
+    paths = []
+    for i in range(data.num_clients):
+        train, test = data.train_slice(i), data.test_slice(i)
+        x_train, x_test = data.x_train[train].numpy(), data.x_test[test].numpy()
+        if fmt == "csv":
+            x_train, x_test = (data.inputs(torch.from_numpy(x)).numpy() for x in (x_train, x_test))
+        paths.append(
+            write_site(
+                Path(root) / f"site{i}",
+                fmt,
+                x_train,
+                data.y_train[train].numpy(),
+                x_test,
+                data.y_test[test].numpy(),
+            )
+        )
+    return paths
