@@ -30,11 +30,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from pflego.config import Config, load_config, to_dict
 from pflego.errors import ConfigError, PflegoError
-from pflego.history import History, RunDir, claim_run_dir, release_run_dir
+from pflego.history import History, RunDir, check_new_run_dir, claim_run_dir, release_run_dir
 from pflego.sim import checkpoints
 from pflego.sim.build import Experiment, build_experiment
 from pflego.sim.group import Group, check_nproc, launched_by_torchrun
 from pflego.sim.profile import Profile
+from pflego.sim.rounds import Simulation
 from pflego.sim.sharded import ShardedSimulation
 
 Announce = Callable[[str], None]
@@ -87,18 +88,37 @@ def run(
     threads: int | None = None,
     **overrides: Any,
 ) -> History:
-    """:func:`pflego.sim.checkpoints.run` across ``nproc`` local processes (or torchrun's).
+    """Run one experiment and write its directory, in this process or across ``nproc`` local
+    processes (or torchrun's); every ``nproc`` gives the one-process numbers (up to the order of
+    sums).
 
-    ``nproc`` 1 or ``None`` is the one-process simulator; every ``nproc`` gives its numbers (up
-    to the order of sums). Each process runs ``threads`` torch threads (default:
-    :func:`default_threads`). The other arguments are ``checkpoints.run``'s.
+    Args:
+        config: A ``Config``, a dict of settings, a YAML path, or ``None`` for the defaults.
+        out: The run directory (default ``config.out`` or ``runs/<algorithm>-<dataset>-<time>``).
+        progress: Show a progress bar.
+        overwrite: Replace a run that ``out`` already holds (otherwise a ``ConfigError``).
+        profile: Write ``profile.json`` (seconds spent on data, train, evaluate, checkpoint and
+            the rest) into the run directory; a :class:`Profile` also counts what came before.
+        nproc: Processes (1 or ``None``: this one).
+        threads: Torch threads of each process (default: :func:`default_threads`).
+        **overrides: Settings that replace those in ``config``.
+
+    Returns:
+        The run's :class:`History`.
     """
-    if not distributed(nproc):
-        return checkpoints.run(config, out, progress, overwrite, profile, **overrides)
+    several = distributed(nproc)
     cfg = load_config(config, **overrides)
     out = Path(out or cfg.out or checkpoints.default_out(cfg)).expanduser()
-    job = Job(str(out), to_dict(cfg), overwrite=overwrite, progress=progress, profile=bool(profile))
-    return run_job(job, nproc, threads=threads)
+    if several:
+        job = Job(
+            str(out), to_dict(cfg), overwrite=overwrite, progress=progress, profile=bool(profile)
+        )
+        return run_job(job, nproc, threads=threads)
+    timer = profile if isinstance(profile, Profile) else Profile()
+    check_new_run_dir(out, overwrite)
+    with timer.part("data"):
+        experiment = build_experiment(cfg)
+    return checkpoints.run_experiment(experiment, out, progress, timer if profile else None)
 
 
 def resume(
@@ -109,13 +129,31 @@ def resume(
     nproc: int | None = None,
     threads: int | None = None,
 ) -> History:
-    """:func:`pflego.sim.checkpoints.resume` across ``nproc`` local processes (or torchrun's),
-    each of ``threads`` torch threads; a checkpoint written under any number of processes
-    resumes under any other."""
-    if not distributed(nproc):
-        return checkpoints.resume(run_dir, progress, rounds, announce)
-    job = Job(str(run_dir), resume=True, rounds=rounds, progress=progress)
-    return run_job(job, nproc, announce, threads)
+    """Continue a stopped run from its last checkpoint; the result equals an uninterrupted run.
+
+    A run stopped before its first checkpoint (nothing trained yet) starts again from round 0.
+    Checkpoints hold every client's state, so a checkpoint written under any number of processes
+    resumes under any other.
+
+    Args:
+        run_dir: The run directory.
+        progress: Show a progress bar.
+        rounds: Extend the run to this many rounds in all (the only setting that may change).
+        announce: Called with one line that says what is resumed (for the command line).
+        nproc: Processes (1 or ``None``: this one).
+        threads: Torch threads of each process (default: :func:`default_threads`).
+    """
+    if distributed(nproc):
+        job = Job(str(run_dir), resume=True, rounds=rounds, progress=progress)
+        return run_job(job, nproc, announce, threads)
+    plan = checkpoints.plan_resume(run_dir, rounds, announce)
+    experiment = build_experiment(plan.config)
+    if plan.state is None:
+        return checkpoints.run_experiment(experiment, run_dir, progress)
+    simulation = Simulation(experiment, plan.directory)
+    checkpoints.load_state(simulation, plan.state, plan.directory.checkpoint)
+    checkpoints.reopen(plan.directory, simulation, experiment, experiment.environment())
+    return simulation.run(progress)
 
 
 def run_job(
@@ -296,9 +334,7 @@ def run_prepared(job: Job, group: Group) -> History:
         if run_dir is None:
             return
         if job.checkpointed:
-            run_dir.rewind(simulation.records, simulation.next_round)
-            run_dir.write_partition(experiment.partition_summary())
-            run_dir.record_environment(environment)
+            checkpoints.reopen(run_dir, simulation, experiment, environment)
         else:
             with profile.part("data"):
                 config = to_dict(experiment.config)
