@@ -28,21 +28,6 @@ from pflego.types import ClientData, ClientState, Schedule
 RngFor = Callable[[int, int], np.random.Generator]
 
 
-def num_steps(
-    n: int, inner_steps: int, batch_size: int | None, local_epochs: float | None
-) -> tuple[int, int]:
-    """``(steps, width)`` of a client's schedule: how many local steps, and samples per step."""
-    width = n if batch_size is None or batch_size >= n else batch_size
-    per_epoch = math.ceil(n / width) if width < n else 1
-    steps = inner_steps if local_epochs is None else max(1, math.ceil(local_epochs * per_epoch))
-    if steps * width > MAX_COUNT:
-        raise ConfigError(
-            f"local_epochs={local_epochs} (or join_epochs) gives {float(steps):.3g} local steps "
-            f"of {width} samples (at most {MAX_COUNT} in all); lower it"
-        )
-    return steps, width
-
-
 def schedule(
     n: int,
     inner_steps: int,
@@ -57,10 +42,16 @@ def schedule(
     number of steps is ``inner_steps``, or ``ceil(local_epochs * n / batch_size)`` when
     ``local_epochs`` is set.
     """
-    steps, width = num_steps(n, inner_steps, batch_size, local_epochs)
+    width = n if batch_size is None or batch_size >= n else batch_size
+    per_epoch = math.ceil(n / width) if width < n else 1
+    steps = inner_steps if local_epochs is None else max(1, math.ceil(local_epochs * per_epoch))
+    if steps * width > MAX_COUNT:
+        raise ConfigError(
+            f"local_epochs={local_epochs} (or join_epochs) gives {float(steps):.3g} local steps "
+            f"of {width} samples (at most {MAX_COUNT} in all); lower it"
+        )
     if width == n:
         return torch.arange(n).repeat(steps, 1), torch.ones(steps, n)
-    per_epoch = math.ceil(n / width)
     epochs = math.ceil(steps / per_epoch)
     slots = np.full((epochs, per_epoch * width), -1, np.int64)
     for e in range(epochs):  # one permutation per epoch, drawn in order
@@ -315,17 +306,6 @@ class ClientPool:
         rows = slice(start, start + int(self.sizes[client]))
         return self.x[rows], self.y[rows]
 
-    def schedules(
-        self, clients: np.ndarray, plan: Schedule, rng_for: Callable[[int], np.random.Generator]
-    ) -> list[tuple[Tensor, Tensor]]:
-        """Each client's minibatch schedule ``(batches [s, b], batch_mask [s, b])`` on the device;
-        ``rng_for(i)`` shuffles client ``i``'s minibatches."""
-        out = []
-        for i, n in zip(clients, self.sizes[clients]):
-            idx, mask = schedule(int(n), *plan, rng_for(int(i)))
-            out.append((idx.to(self.device), mask.to(self.device, self.x.dtype)))
-        return out
-
     def cohort(
         self,
         clients: np.ndarray,
@@ -345,13 +325,18 @@ class ClientPool:
             validation: The pool whose rows become ``data.validation``.
         """
         clients = np.asarray(clients)
-        named = {
-            name: self.schedules(clients, extra[name], lambda i, k=k: rng_for(i, k + 1))
-            for k, name in enumerate(sorted(extra or {}))
-        }
-        return Cohort(
-            clients, self, self.schedules(clients, run, lambda i: rng_for(i, 0)), named, validation
-        )
+        runs, named = [], {name: [] for name in sorted(extra or {})}
+        for i, n in zip(clients, self.sizes[clients]):
+            rng = lambda stream, i=int(i): rng_for(i, stream)  # noqa: E731
+            main, extras = client_schedules(int(n), run, extra or {}, rng)
+            runs.append(self.on_device(main))
+            for name, plan in extras.items():
+                named[name].append(self.on_device(plan))
+        return Cohort(clients, self, runs, named, validation)
+
+    def on_device(self, plan: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """A schedule's batches and mask on the pool's device (the mask in its dtype)."""
+        return plan[0].to(self.device), plan[1].to(self.device, self.x.dtype)
 
 
 def take(x: Tensor, rows: Tensor) -> Tensor:
