@@ -6,11 +6,11 @@ state store), :mod:`~pflego.sim.generated` (pools of generated populations),
 (per-client metrics), :mod:`~pflego.sim.privacy` (differential privacy of a round),
 :mod:`~pflego.sim.build` (an experiment from its settings), :mod:`~pflego.sim.guards` and
 :mod:`~pflego.sim.profile`, :mod:`~pflego.sim.engine` (one round for every transport, and the
-training loop with its callbacks), :mod:`~pflego.sim.evaluation` (evaluation inside the round
-loop), :mod:`~pflego.sim.rounds` (the simulator's rounds), :mod:`~pflego.sim.checkpoints` (run
-and resume), and one run across processes with torch.distributed: :mod:`~pflego.sim.group` (the
-process group and its collectives), :mod:`~pflego.sim.sharded` (one process's part of the run) and
-:mod:`~pflego.sim.distributed` (``run`` and ``resume`` with ``nproc``, and torchrun).
+training loop with its callbacks), :mod:`~pflego.sim.evaluation` (when a run evaluates),
+:mod:`~pflego.sim.rounds` (the simulator's rounds and evaluation), :mod:`~pflego.sim.checkpoints`
+(run directories), and one run across processes with torch.distributed: :mod:`~pflego.sim.group`
+(the process group and its collectives), :mod:`~pflego.sim.sharded` (one process's part of the
+run) and :mod:`~pflego.sim.distributed` (``run`` and ``resume``, with ``nproc`` and torchrun).
 This package's face holds the names other layers use.
 """
 
