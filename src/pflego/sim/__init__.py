@@ -1,7 +1,7 @@
 """The in-process simulator: build an experiment, run its rounds, evaluate, checkpoint, resume.
 
-Modules, from the bottom up: :mod:`~pflego.sim.clients` (client data pools, schedules and the
-state store), :mod:`~pflego.sim.generated` (pools of generated populations),
+Modules, from the bottom up: :mod:`~pflego.sim.clients` (client data pools, also of generated
+populations, schedules and the state store),
 :mod:`~pflego.sim.backends` (how a cohort trains: loop, vmap, fused), :mod:`~pflego.sim.metrics`
 (per-client metrics), :mod:`~pflego.sim.privacy` (differential privacy of a round),
 :mod:`~pflego.sim.build` (an experiment from its settings), :mod:`~pflego.sim.guards` and

@@ -4,7 +4,8 @@ The round loop never builds per-sample Python objects. Every client's data is pl
 device once (:class:`ClientPool`, rows of one concatenated tensor), and a round gathers its cohort
 as padded, stacked :class:`~pflego.types.ClientData` (:class:`Cohort`) with a handful of indexing
 operations. Private client state lives in a stacked host-side :class:`ClientStore`; only the cohort
-is copied to the device.
+is copied to the device. A generated population's pools (:class:`GeneratedPool`) make small
+``ClientPool``\ s of just the clients asked (the population itself: :mod:`pflego.data.stream`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from pflego.config import MAX_COUNT
 from pflego.data import FederatedData
+from pflego.data.stream import GeneratedClients
 from pflego.errors import ConfigError
 from pflego.types import ClientData, ClientState, Schedule
 
@@ -347,6 +349,72 @@ def take(x: Tensor, rows: Tensor) -> Tensor:
         return x[rows]
     flat = x.reshape(len(x), -1).index_select(0, rows.reshape(-1))
     return flat.view(*rows.shape, *x.shape[1:])
+
+
+class GeneratedPool:
+    """One split of a generated population; :meth:`select` makes a small ``ClientPool``.
+
+    Client ids given to :meth:`cohort` are the population's; the selected pool numbers them
+    ``0..len(ids)-1``.
+    """
+
+    def __init__(
+        self,
+        data: GeneratedClients,
+        split: str,
+        label_space: str,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.data, self.split, self.label_space = data, split, label_space
+        self.dtype, self.device = dtype, torch.device(device)
+        self.sizes = data.train_counts if split == "train" else data.test_counts
+
+    def select(self, ids: np.ndarray, keep: Callable[[int, int], np.ndarray] | None = None):
+        """A ``ClientPool`` of the clients ``ids`` (renumbered in that order); ``keep(i, n)``,
+        if given, picks which of client ``i``'s ``n`` samples of the split to keep."""
+        ids = np.asarray(ids, np.int64)
+        xs, ys, masks = [], [], []
+        width = self.data.num_classes
+        for i, (x, y) in zip(ids, self.data.clients(ids)):
+            n_train = int(self.data.train_counts[i])
+            part = np.arange(n_train) if self.split == "train" else np.arange(n_train, len(y))
+            if keep is not None:
+                part = part[keep(int(i), len(part))]
+            labels = y[part]
+            mask = np.ones(width, np.float32)
+            if self.label_space == "local":  # renumber within the client's training classes
+                classes = np.unique(y[:n_train])
+                at = np.minimum(np.searchsorted(classes, labels), len(classes) - 1)
+                labels = np.where(classes[at] == labels, at, -1)  # -1: a class it never trained on
+                mask[len(classes) :] = 0
+            xs.append(x[part])
+            ys.append(labels)
+            masks.append(mask)
+        dim = self.data.input_shape
+        x = np.concatenate(xs) if xs else np.zeros((0, *dim), np.float32)
+        y = np.concatenate(ys) if ys else np.zeros(0, np.int64)
+        return ClientPool.of(
+            torch.from_numpy(x).to(self.device, self.dtype),
+            torch.from_numpy(y.astype(np.int64)).to(self.device),
+            np.array([len(y) for y in ys], np.int64),
+            torch.from_numpy(np.stack(masks)).to(self.device, self.dtype),
+        )
+
+    def cohort(self, clients, run, rng_for, extra=None, validation=None):
+        """The round inputs of ``clients`` (population ids), from a pool of just them."""
+        clients = np.asarray(clients, np.int64)
+        if validation is not None:
+            raise ConfigError(f"{self.data.name} has no validation split; set val_fraction=0")
+        pool = self.select(clients)
+        local = np.arange(len(clients))
+        return pool.cohort(local, run, lambda c, stream: rng_for(int(clients[c]), stream), extra)
+
+
+def generated_pools(
+    data: GeneratedClients, label_space: str, dtype: torch.dtype, device: torch.device | str
+) -> dict[str, GeneratedPool]:
+    return {s: GeneratedPool(data, s, label_space, dtype, device) for s in ("train", "test")}
 
 
 class SharedFeatures:

@@ -27,8 +27,7 @@ from pflego.data import FederatedData
 from pflego.data.stream import GeneratedClients
 from pflego.local import fused_steps
 from pflego.models import SplitModel, apply_layers
-from pflego.sim.clients import ClientPool, SharedFeatures
-from pflego.sim.generated import generated_pools
+from pflego.sim.clients import ClientPool, SharedFeatures, generated_pools
 from pflego.sim.summary import summarize
 from pflego.tree import Params
 from pflego.types import ClientData, ClientState, Downlink, RoundContext
