@@ -9,8 +9,8 @@ populations, schedules and the state store),
 training loop with its callbacks), :mod:`~pflego.sim.evaluation` (when a run evaluates),
 :mod:`~pflego.sim.rounds` (the simulator's rounds and evaluation), :mod:`~pflego.sim.checkpoints`
 (run directories), and one run across processes with torch.distributed: :mod:`~pflego.sim.group`
-(the process group and its collectives), :mod:`~pflego.sim.sharded` (one process's part of the
-run) and :mod:`~pflego.sim.distributed` (``run`` and ``resume``, with ``nproc`` and torchrun).
+(the process group and its collectives) and :mod:`~pflego.sim.distributed` (``run`` and
+``resume``, with ``nproc`` and torchrun, and one process's part of a run across processes).
 This package's face holds the names other layers use.
 """
 
