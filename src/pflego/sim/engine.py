@@ -9,7 +9,8 @@ to the realized cohort, run the server step (with central noise under differenti
 states together (:func:`run_round`). What happens around rounds (evaluation, checkpoints, the
 divergence check, progress, trackers) are :class:`Callback`\\ s of one training loop (:func:`train`);
 pfl-research's ``TrainingProcessCallback`` is the model: each hook does nothing unless a callback
-overrides it.
+overrides it. When a run evaluates, which clients, and the record it logs are the same for every
+transport too (:func:`evaluation_due`, :func:`evaluation_sample`, :func:`evaluation_record`).
 """
 
 from __future__ import annotations
@@ -262,6 +263,37 @@ class Evaluate(Callback):
         if self.due(completed) and (record := self.evaluate(completed)) is not None:
             for callback in self.then:
                 callback.on_evaluation(completed, record)
+
+
+def evaluation_due(config: Config, completed: int) -> bool:
+    """Evaluate every ``eval_every`` rounds, at each of the last ``average_last`` and at the end."""
+    return (
+        completed % config.eval_every == 0
+        or completed > config.rounds - config.average_last
+        or completed == config.rounds
+    )
+
+
+def evaluation_sample(config: Config, num_clients: int) -> np.ndarray:
+    """The clients every evaluation covers: all, or ``eval_clients`` of them drawn once."""
+    count = config.eval_clients
+    if count is None or count >= num_clients:
+        return np.arange(num_clients)
+    rng = np.random.default_rng(seed_for(config.seed, 9))
+    return np.sort(rng.choice(num_clients, count, replace=False))
+
+
+def evaluation_record(
+    config: Config, completed: int, summary: dict[str, float], seconds: float
+) -> dict[str, Any]:
+    """One line of ``metrics.jsonl``."""
+    return {
+        "round": completed,
+        "algorithm": config.algorithm,
+        "dataset": config.dataset,
+        **summary,
+        "seconds": round(seconds, 3),
+    }
 
 
 class Run(Protocol):

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
 from tqdm.auto import tqdm
 
 from pflego import tree
@@ -31,10 +33,12 @@ from pflego.sim.engine import (
     Evaluate,
     Sampling,
     Tracking,
+    evaluation_due,
+    evaluation_record,
+    evaluation_sample,
     run_round,
     train,
 )
-from pflego.sim.evaluation import evaluation_due, evaluation_record, evaluation_sample, same_values
 from pflego.sim.guards import Updates, deferred_interrupts, finite_states, rows
 from pflego.sim.memory import retained_heap
 from pflego.sim.metrics import Personalization, build_pools, client_rows
@@ -564,6 +568,15 @@ class Simulation:
             self.run_round(t)
         self.seconds += time.perf_counter() - start
         self.next_round = t + 1
+
+
+def same_values(a: Any, b: Any) -> bool:
+    """Whether two nested dicts and lists of tensors hold the same structure and values."""
+    (left, structure), (right, other) = pytree.tree_flatten(a), pytree.tree_flatten(b)
+    return structure == other and all(
+        isinstance(y, Tensor) and torch.equal(x, y) if isinstance(x, Tensor) else x == y
+        for x, y in zip(left, right, strict=True)
+    )
 
 
 class BackendReport(Callback):
