@@ -24,7 +24,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pflego.errors import ConfigError, PflegoError
-from pflego.sim.progress import is_live
+from pflego.sim.engine import is_live
 
 
 @dataclass(frozen=True)

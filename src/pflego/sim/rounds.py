@@ -31,6 +31,7 @@ from pflego.sim.engine import (
     Curves,
     DivergenceCheck,
     Evaluate,
+    RoundProgress,
     Sampling,
     Tracking,
     evaluation_due,
@@ -44,7 +45,6 @@ from pflego.sim.memory import retained_heap
 from pflego.sim.metrics import Personalization, build_pools, client_rows
 from pflego.sim.privacy import Privacy
 from pflego.sim.profile import Profile
-from pflego.sim.progress import RoundProgress
 from pflego.sim.summary import participation_gap, summarize
 from pflego.tree import Params
 from pflego.types import (
