@@ -48,7 +48,9 @@ def run_experiment(
     return history
 
 
-def reopen(run_dir: RunDir, simulation: Simulation, experiment: Experiment, environment) -> None:
+def reopen(
+    run_dir: RunDir, simulation: Simulation, experiment: Experiment, environment: dict[str, Any]
+) -> None:
     """Bring a resumed run's directory back to its checkpoint: the log rewound to the rounds it
     holds, the partition (a function of the config) and this process's environment rewritten."""
     run_dir.rewind(simulation.records, simulation.next_round)
