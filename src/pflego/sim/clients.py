@@ -5,7 +5,7 @@ device once (:class:`ClientPool`, rows of one concatenated tensor), and a round 
 as padded, stacked :class:`~pflego.types.ClientData` (:class:`Cohort`) with a handful of indexing
 operations. Private client state lives in a stacked host-side :class:`ClientStore`; only the cohort
 is copied to the device. A generated population's pools (:class:`GeneratedPool`) make small
-``ClientPool``\ s of just the clients asked (the population itself: :mod:`pflego.data.stream`).
+``ClientPool``\\ s of just the clients asked (the population itself: :mod:`pflego.data.stream`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial, reduce
+from functools import reduce
 from typing import Any
 
 import numpy as np
@@ -396,6 +396,9 @@ class Simulation:
         rows = self.gather_rows(own_rows, self.eval_ids)
         return summarize(rows), rows
 
+    def should_evaluate(self, completed: int) -> bool:
+        return evaluation_due(self.cfg, completed)
+
     def owned(self, clients: np.ndarray) -> np.ndarray:
         """Those of ``clients`` whose states this process holds and evaluates: all of them (a
         process of a distributed run holds its share)."""
@@ -555,7 +558,7 @@ class Simulation:
             *curves,
             *tracking,
             *([BackendReport(self.backend, bar)] if probing and progress and self.speaks else []),
-            Evaluate(partial(evaluation_due, cfg), self.evaluate, then, self.records),
+            Evaluate(self.should_evaluate, self.evaluate, then, self.records),
             checkpoints,
             bar,
         ]
