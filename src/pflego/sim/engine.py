@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from pflego.config import Config
 from pflego.history import History, RunDir
 from pflego.rng import seed_for
+from pflego.sim.backends_auto import AutoBackend
 from pflego.sim.guards import (
     Updates,
     check_finite_server,
@@ -466,3 +467,16 @@ class RoundProgress(Callback):
 
     def on_train_end(self, completed: int) -> None:
         self.close()
+
+
+class BackendReport(Callback):
+    """Print ``auto``'s choice of backend once its probe has made it."""
+
+    def __init__(self, backend: AutoBackend, bar: RoundProgress) -> None:
+        self.backend, self.bar = backend, bar
+        self.done = False
+
+    def on_round_end(self, completed: int) -> None:
+        if not self.done and self.backend.chosen is not None:
+            self.done = True
+            tqdm.write(f"{self.bar.desc}: {self.backend.summary()}", file=self.bar.stream)

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
-from tqdm.auto import tqdm
 
 from pflego import tree
 from pflego.config import to_dict
@@ -26,7 +25,7 @@ from pflego.sim.backends_auto import AutoBackend, auto_backend, probing_enabled
 from pflego.sim.build import Experiment
 from pflego.sim.clients import ClientPool, ClientStore, Cohort, validation_split
 from pflego.sim.engine import (
-    Callback,
+    BackendReport,
     Checkpoints,
     Curves,
     DivergenceCheck,
@@ -580,16 +579,3 @@ def same_values(a: Any, b: Any) -> bool:
         isinstance(y, Tensor) and torch.equal(x, y) if isinstance(x, Tensor) else x == y
         for x, y in zip(left, right, strict=True)
     )
-
-
-class BackendReport(Callback):
-    """Print ``auto``'s choice of backend once its probe has made it."""
-
-    def __init__(self, backend: AutoBackend, bar: RoundProgress) -> None:
-        self.backend, self.bar = backend, bar
-        self.done = False
-
-    def on_round_end(self, completed: int) -> None:
-        if not self.done and self.backend.chosen is not None:
-            self.done = True
-            tqdm.write(f"{self.bar.desc}: {self.backend.summary()}", file=self.bar.stream)
