@@ -246,18 +246,10 @@ class Evaluator:
     """One evaluation: its chunks of clients and the strategy of each view.
 
     Each view (the personalized model, the same before ``adapt``, each extra prediction) is
-    evaluated by a strategy chosen once for the run (:meth:`choose`); one that runs client
-    models runs them vmapped on padded chunks or, chunk by chunk as :func:`one_by_one` says,
-    client by client:
-
-    - :meth:`pooled_logits`: the downlink's model (or a downlink-only prediction) once over the
-      pool's rows, its logits read per client;
-    - :meth:`vmapped_models` / :meth:`client_by_client`: each client's whole model on its rows;
-    - :meth:`vmapped_heads` / :meth:`heads_client_by_client`: each client's head on the shared
-      body's features, computed once.
-
-    A chunk evaluated one by one personalizes one by one too, each client on its own training
-    rows (:func:`personalized`); other chunks personalize vmapped on padded training data.
+    evaluated by a strategy chosen once for the run (:meth:`choose`): pooled logits, whole models,
+    or heads on the shared body's features, the last two vmapped on padded chunks or, chunk by
+    chunk as :func:`one_by_one` says, client by client. A chunk evaluated one by one personalizes
+    one by one too (:func:`personalized`); other chunks personalize vmapped on padded training data.
     """
 
     def __init__(
