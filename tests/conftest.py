@@ -16,6 +16,8 @@ from pflego.config import load_config
 from pflego.data import ArrayDataset, download, register
 from pflego.experiments.presets import shipped_presets
 from pflego.sim import build_experiment
+from pflego.sim.metrics import client_rows
+from pflego.sim.summary import summarize
 
 # `--backend auto` picks by measured timings, which vary from run to run: the suite takes the
 # rule's reproducible choice (tests/test_backend_probe.py measures, with injected timings).
@@ -54,6 +56,16 @@ TINY = {
 @pytest.fixture
 def tiny_settings() -> dict:
     return dict(TINY)
+
+
+def evaluate_pools(algorithm, downlink_for, states, pools, personalization=None, chunk_size=None):
+    """Summary metrics and one row per client of ``pflego.sim.metrics.client_rows``
+    (``downlink_for``: a function of client ids, or every client's downlink)."""
+    if not callable(downlink_for):
+        sent = downlink_for
+        downlink_for = lambda ids: sent  # noqa: E731
+    rows = client_rows(algorithm, downlink_for, states, pools, personalization, chunk_size)
+    return summarize(rows), rows
 
 
 def tiny_experiment(**overrides):

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_experiment
+from conftest import evaluate_pools, tiny_experiment
 from test_fast_sim import ragged_experiment
 
 from pflego.sim import Simulation
-from pflego.sim.metrics import evaluate_pools
 
 BODY = ("body.1.weight", "body.1.bias")
 HEAD = ("head.weight", "head.bias")

@@ -128,7 +128,7 @@ def test_vectorized_adapt_equals_adapting_each_client_alone():
 
 
 def sim_rows(sim: Simulation, completed: int):
-    from pflego.sim.metrics import evaluate_pools
+    from conftest import evaluate_pools
 
     ctx = sim.context(completed)
     return evaluate_pools(

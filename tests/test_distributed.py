@@ -26,8 +26,14 @@ from pflego.config import Config, load_config, read_yaml
 from pflego.errors import ConfigError
 from pflego.history import History
 from pflego.sim import Simulation, build_experiment, resume, run
-from pflego.sim.distributed import Job, check_settings, failure_line, launch
-from pflego.sim.sharded import merged_store, split_store
+from pflego.sim.distributed import (
+    Job,
+    check_settings,
+    failure_line,
+    launch,
+    merged_store,
+    split_store,
+)
 
 NAMES = sorted(ALGORITHMS)
 #: Built-in offline data (spawned processes do not see the suite's registered datasets), small

@@ -17,7 +17,6 @@ from pflego.cli import main
 from pflego.config import load_config
 from pflego.errors import ConfigError
 from pflego.sim import build_experiment
-from pflego.sim.evaluation import Evaluation
 from pflego.sim.guards import (
     DIVERGENCE_EVALUATIONS,
     DIVERGENCE_FACTOR,
@@ -105,7 +104,7 @@ def test_an_unknown_divergence_mode_is_a_one_line_config_error(capsys):
 
 def test_a_loss_that_spikes_once_and_recovers_is_not_stopped(monkeypatch):
     scripted = {1: 1e6, 2: 1.0, 3: 1e6}  # round -> train loss: a spike, recovery, a spike
-    evaluate = Evaluation.evaluate
+    evaluate = Simulation.evaluate
 
     def spiking(self, completed):
         record = evaluate(self, completed)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import evaluate_pools
 from torch.utils.flop_counter import FlopCounterMode
 
 from pflego import tree
@@ -26,7 +27,7 @@ from pflego.sim.backends import (
 )
 from pflego.sim.build import split_unseen
 from pflego.sim.clients import ClientPool, ClientStore, client_data, schedule, take
-from pflego.sim.metrics import evaluate, evaluate_pools
+from pflego.sim.metrics import evaluate
 
 # Ragged clients: sizes 3..14 (one below the batch size) and 1 to 3 classes each.
 SIZES = [5, 9, 14, 3, 8, 11]

@@ -366,7 +366,7 @@ def test_perfedavg_personalizes_only_in_adapt():
 
 
 def sim_rows(sim: Simulation):
-    from pflego.sim.metrics import evaluate_pools
+    from conftest import evaluate_pools
 
     ctx = sim.context(1)
     return evaluate_pools(

@@ -8,7 +8,7 @@ from conftest import TINY
 
 from pflego.history import History
 from pflego.sim import run
-from pflego.sim.progress import RoundProgress
+from pflego.sim.engine import RoundProgress
 
 
 class Terminal(io.StringIO):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import TINY
+from conftest import TINY, evaluate_pools
 
 import pflego
 from pflego.cli import main
@@ -22,7 +22,6 @@ from pflego.config import load_config
 from pflego.data import ArrayDataset, register
 from pflego.data.cache import cached_arrays
 from pflego.sim import Simulation, build_experiment, run
-from pflego.sim.metrics import evaluate_pools
 
 TINY_RUN = ["--dataset", "tiny", "--clients", "6", "--rounds", "1", "--inner-steps", "1"]
 

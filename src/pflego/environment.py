@@ -79,11 +79,6 @@ def source_files(sources: Iterable[Path]) -> list[Path]:
     return files
 
 
-def file_checksums(sources: Iterable[Path]) -> dict[str, str]:
-    """``{path: sha256}`` of the source files (every file inside a source folder)."""
-    return {str(f): f"sha256:{digest(f)}" for f in source_files(sources)}
-
-
 def _version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
@@ -120,5 +115,5 @@ def environment(device: str, data_files: Iterable[Path]) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "data_files": file_checksums(data_files),
+        "data_files": {str(f): f"sha256:{digest(f)}" for f in source_files(data_files)},
     }

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from pflego.errors import ConfigError, PflegoError
 from pflego.fields import at_least, check_fields, setting
-from pflego.sim.progress import is_live
+from pflego.sim.engine import is_live
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
@@ -45,33 +44,6 @@ Backend = Callable[
 ]
 
 
-def one_client_update(
-    algorithm: Algorithm,
-    downlink: Params,
-    states: ClientState,
-    cohort: Cohort,
-    ctx: RoundContext,
-    c: int,
-) -> tuple[ClientOut, ClientState]:
-    """``client_update`` of the cohort's client ``c`` on its unpadded data."""
-    state = {k: v[c] for k, v in states.items()}
-    return algorithm.client_update(algorithm.received(downlink).of(c), state, cohort.client(c), ctx)
-
-
-def loop_backend(
-    algorithm: Algorithm,
-    downlink: Params,
-    states: ClientState,
-    cohort: Cohort,
-    ctx: RoundContext,
-) -> tuple[ClientOut, ClientState]:
-    """Run ``client_update`` one client at a time on its unpadded data (the reference)."""
-    results = [
-        one_client_update(algorithm, downlink, states, cohort, ctx, c) for c in range(len(cohort))
-    ]
-    return stack_outs([r[0] for r in results]), tree.stack(r[1] for r in results)
-
-
 @dataclass(frozen=True)
 class FusedBackend:
     """Clients one at a time on their unpadded data, spread over threads, with fused SGD steps.
@@ -82,9 +54,11 @@ class FusedBackend:
 
     Attributes:
         threads: Clients trained at once (``None``: one per torch thread).
+        fused: Run fused steps where they fuse (``False``: autograd everywhere, :data:`loop_backend`).
     """
 
     threads: int | None = None
+    fused: bool = True
 
     def __call__(
         self,
@@ -95,8 +69,10 @@ class FusedBackend:
         ctx: RoundContext,
     ) -> tuple[ClientOut, ClientState]:
         def update(c: int) -> tuple[ClientOut, ClientState]:
-            with fused_steps():
-                return one_client_update(algorithm, downlink, states, cohort, ctx, c)
+            state = {k: v[c] for k, v in states.items()}
+            with fused_steps(self.fused):
+                own = algorithm.received(downlink).of(c)
+                return algorithm.client_update(own, state, cohort.client(c), ctx)
 
         workers = min(self.threads or torch.get_num_threads(), len(cohort))
         if workers <= 1:
@@ -104,6 +80,10 @@ class FusedBackend:
         else:
             results = _in_threads(update, len(cohort), workers)
         return stack_outs([r[0] for r in results]), tree.stack(r[1] for r in results)
+
+
+#: The reference: ``client_update`` one client at a time on its unpadded data, autograd everywhere.
+loop_backend = FusedBackend(threads=1, fused=False)
 
 
 _pools: dict[int, ThreadPoolExecutor] = {}
@@ -175,28 +155,20 @@ class VmapBackend:
         data: ClientData,
         ctx: RoundContext,
     ) -> tuple[ClientOut, ClientState]:
-        """One ``vmap`` call of ``client_update`` over clients of similar sizes."""
-        per_client = downlink.per_client
-        update_for = partial(
-            vmapped_update, algorithm, per_client=per_client, chunk_size=self.chunk_size
-        )
+        """One ``vmap`` call of ``client_update`` over clients of similar sizes (and over their
+        downlinks where each has its own)."""
+        dims = (0 if downlink.per_client else None, 0, 0)
+
+        def update_for(ctx: RoundContext) -> Callable[..., tuple[ClientOut, ClientState]]:
+            def update(dl: Params, state: ClientState, data: ClientData):
+                return algorithm.client_update(dl, state, data, ctx)
+
+            return vmap(update, in_dims=dims, randomness="different", chunk_size=self.chunk_size)
+
         inputs = (downlink.payload, states, data)
         if self.graphs is not None:
-            return self.graphs(algorithm, update_for, inputs, ctx, per_client)
+            return self.graphs(algorithm, update_for, inputs, ctx, downlink.per_client)
         return update_for(ctx)(*inputs)
-
-
-def vmapped_update(
-    algorithm: Algorithm, ctx: RoundContext, per_client: bool, chunk_size: int | None = None
-) -> Callable[[Params, ClientState, ClientData], tuple[ClientOut, ClientState]]:
-    """``client_update`` vmapped over stacked states and data (and, ``per_client``, the
-    downlink)."""
-
-    def update(dl: Params, state: ClientState, data: ClientData) -> tuple[ClientOut, ClientState]:
-        return algorithm.client_update(dl, state, data, ctx)
-
-    downlink_dim = 0 if per_client else None
-    return vmap(update, in_dims=(downlink_dim, 0, 0), randomness="different", chunk_size=chunk_size)
 
 
 def size_buckets(sizes: np.ndarray, smallest: int = 64, spread: float = 1.5) -> list[np.ndarray]:

@@ -1,5 +1,6 @@
-"""Runs into directories: start a run, and resume a stopped one from its last checkpoint (with
-exactly the numbers of an uninterrupted run) or extend a finished one."""
+"""One process's runs into directories: a built experiment run into one, and the checks and the
+loading of a resumption from the last checkpoint (exactly the numbers of an uninterrupted run) or
+of the extension of a finished run (``run`` and ``resume``: :mod:`pflego.sim.distributed`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any
 
 from pflego.config import Config, load_config, read_yaml, to_dict
 from pflego.errors import ConfigError
-from pflego.history import History, RunDir, check_new_run_dir
-from pflego.sim.build import Experiment, build_experiment
+from pflego.history import History, RunDir
+from pflego.sim.build import Experiment
 from pflego.sim.profile import Profile
 from pflego.sim.rounds import Simulation
 
@@ -47,65 +48,14 @@ def run_experiment(
     return history
 
 
-def run(
-    config: Config | dict[str, Any] | str | Path | None = None,
-    out: str | Path | None = None,
-    progress: bool = True,
-    overwrite: bool = False,
-    profile: bool | Profile = False,
-    **overrides: Any,
-) -> History:
-    """Run one experiment and write its directory.
-
-    Args:
-        config: A ``Config``, a dict of settings, a YAML path, or ``None`` for the defaults.
-        out: The run directory (default ``config.out`` or ``runs/<algorithm>-<dataset>-<time>``).
-        progress: Show a progress bar.
-        overwrite: Replace a run that ``out`` already holds (otherwise a ``ConfigError``).
-        profile: Write ``profile.json`` (seconds spent on data, train, evaluate, checkpoint and
-            the rest) into the run directory; a :class:`Profile` also counts what came before.
-        **overrides: Settings that replace those in ``config``.
-
-    Returns:
-        The run's :class:`History`.
-    """
-    timer = profile if isinstance(profile, Profile) else Profile()
-    cfg = load_config(config, **overrides)
-    out = Path(out or cfg.out or default_out(cfg)).expanduser()
-    check_new_run_dir(out, overwrite)
-    with timer.part("data"):
-        experiment = build_experiment(cfg)
-    return run_experiment(experiment, out, progress, timer if profile else None)
-
-
-def resume(
-    run_dir: str | Path,
-    progress: bool = True,
-    rounds: int | None = None,
-    announce: Callable[[str], None] | None = None,
-) -> History:
-    """Continue a stopped run from its last checkpoint; the result equals an uninterrupted run.
-
-    A run stopped before its first checkpoint (nothing trained yet) starts again from round 0.
-    Checkpoints hold every client's state, so a run resumes under any number of processes
-    (:func:`pflego.sim.distributed.resume`).
-
-    Args:
-        run_dir: The run directory.
-        progress: Show a progress bar.
-        rounds: Extend the run to this many rounds in all (the only setting that may change).
-        announce: Called with one line that says what is resumed (for the command line).
-    """
-    plan = plan_resume(run_dir, rounds, announce)
-    experiment = build_experiment(plan.config)
-    if plan.state is None:
-        return run_experiment(experiment, run_dir, progress)
-    simulation = Simulation(experiment, plan.directory)
-    load_state(simulation, plan.state, plan.directory.checkpoint)
-    plan.directory.rewind(simulation.records, simulation.next_round)
-    plan.directory.write_partition(experiment.partition_summary())  # a function of the config
-    plan.directory.record_environment(experiment.environment())
-    return simulation.run(progress)
+def reopen(
+    run_dir: RunDir, simulation: Simulation, experiment: Experiment, environment: dict[str, Any]
+) -> None:
+    """Bring a resumed run's directory back to its checkpoint: the log rewound to the rounds it
+    holds, the partition (a function of the config) and this process's environment rewritten."""
+    run_dir.rewind(simulation.records, simulation.next_round)
+    run_dir.write_partition(experiment.partition_summary())
+    run_dir.record_environment(environment)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ The round loop never builds per-sample Python objects. Every client's data is pl
 device once (:class:`ClientPool`, rows of one concatenated tensor), and a round gathers its cohort
 as padded, stacked :class:`~pflego.types.ClientData` (:class:`Cohort`) with a handful of indexing
 operations. Private client state lives in a stacked host-side :class:`ClientStore`; only the cohort
-is copied to the device.
+is copied to the device. A generated population's pools (:class:`GeneratedPool`) make small
+``ClientPool``\\ s of just the clients asked (the population itself: :mod:`pflego.data.stream`).
 """
 
 from __future__ import annotations
@@ -22,25 +23,11 @@ from torch import Tensor
 
 from pflego.config import MAX_COUNT
 from pflego.data import FederatedData
+from pflego.data.stream import GeneratedClients
 from pflego.errors import ConfigError
 from pflego.types import ClientData, ClientState, Schedule
 
 RngFor = Callable[[int, int], np.random.Generator]
-
-
-def num_steps(
-    n: int, inner_steps: int, batch_size: int | None, local_epochs: float | None
-) -> tuple[int, int]:
-    """``(steps, width)`` of a client's schedule: how many local steps, and samples per step."""
-    width = n if batch_size is None or batch_size >= n else batch_size
-    per_epoch = math.ceil(n / width) if width < n else 1
-    steps = inner_steps if local_epochs is None else max(1, math.ceil(local_epochs * per_epoch))
-    if steps * width > MAX_COUNT:
-        raise ConfigError(
-            f"local_epochs={local_epochs} (or join_epochs) gives {float(steps):.3g} local steps "
-            f"of {width} samples (at most {MAX_COUNT} in all); lower it"
-        )
-    return steps, width
 
 
 def schedule(
@@ -57,10 +44,16 @@ def schedule(
     number of steps is ``inner_steps``, or ``ceil(local_epochs * n / batch_size)`` when
     ``local_epochs`` is set.
     """
-    steps, width = num_steps(n, inner_steps, batch_size, local_epochs)
+    width = n if batch_size is None or batch_size >= n else batch_size
+    per_epoch = math.ceil(n / width) if width < n else 1
+    steps = inner_steps if local_epochs is None else max(1, math.ceil(local_epochs * per_epoch))
+    if steps * width > MAX_COUNT:
+        raise ConfigError(
+            f"local_epochs={local_epochs} (or join_epochs) gives {float(steps):.3g} local steps "
+            f"of {width} samples (at most {MAX_COUNT} in all); lower it"
+        )
     if width == n:
         return torch.arange(n).repeat(steps, 1), torch.ones(steps, n)
-    per_epoch = math.ceil(n / width)
     epochs = math.ceil(steps / per_epoch)
     slots = np.full((epochs, per_epoch * width), -1, np.int64)
     for e in range(epochs):  # one permutation per epoch, drawn in order
@@ -315,17 +308,6 @@ class ClientPool:
         rows = slice(start, start + int(self.sizes[client]))
         return self.x[rows], self.y[rows]
 
-    def schedules(
-        self, clients: np.ndarray, plan: Schedule, rng_for: Callable[[int], np.random.Generator]
-    ) -> list[tuple[Tensor, Tensor]]:
-        """Each client's minibatch schedule ``(batches [s, b], batch_mask [s, b])`` on the device;
-        ``rng_for(i)`` shuffles client ``i``'s minibatches."""
-        out = []
-        for i, n in zip(clients, self.sizes[clients]):
-            idx, mask = schedule(int(n), *plan, rng_for(int(i)))
-            out.append((idx.to(self.device), mask.to(self.device, self.x.dtype)))
-        return out
-
     def cohort(
         self,
         clients: np.ndarray,
@@ -345,13 +327,18 @@ class ClientPool:
             validation: The pool whose rows become ``data.validation``.
         """
         clients = np.asarray(clients)
-        named = {
-            name: self.schedules(clients, extra[name], lambda i, k=k: rng_for(i, k + 1))
-            for k, name in enumerate(sorted(extra or {}))
-        }
-        return Cohort(
-            clients, self, self.schedules(clients, run, lambda i: rng_for(i, 0)), named, validation
-        )
+        runs, named = [], {name: [] for name in sorted(extra or {})}
+        for i, n in zip(clients, self.sizes[clients]):
+            rng = lambda stream, i=int(i): rng_for(i, stream)  # noqa: E731
+            main, extras = client_schedules(int(n), run, extra or {}, rng)
+            runs.append(self.on_device(main))
+            for name, plan in extras.items():
+                named[name].append(self.on_device(plan))
+        return Cohort(clients, self, runs, named, validation)
+
+    def on_device(self, plan: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """A schedule's batches and mask on the pool's device (the mask in its dtype)."""
+        return plan[0].to(self.device), plan[1].to(self.device, self.x.dtype)
 
 
 def take(x: Tensor, rows: Tensor) -> Tensor:
@@ -362,6 +349,72 @@ def take(x: Tensor, rows: Tensor) -> Tensor:
         return x[rows]
     flat = x.reshape(len(x), -1).index_select(0, rows.reshape(-1))
     return flat.view(*rows.shape, *x.shape[1:])
+
+
+class GeneratedPool:
+    """One split of a generated population; :meth:`select` makes a small ``ClientPool``.
+
+    Client ids given to :meth:`cohort` are the population's; the selected pool numbers them
+    ``0..len(ids)-1``.
+    """
+
+    def __init__(
+        self,
+        data: GeneratedClients,
+        split: str,
+        label_space: str,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.data, self.split, self.label_space = data, split, label_space
+        self.dtype, self.device = dtype, torch.device(device)
+        self.sizes = data.train_counts if split == "train" else data.test_counts
+
+    def select(self, ids: np.ndarray, keep: Callable[[int, int], np.ndarray] | None = None):
+        """A ``ClientPool`` of the clients ``ids`` (renumbered in that order); ``keep(i, n)``,
+        if given, picks which of client ``i``'s ``n`` samples of the split to keep."""
+        ids = np.asarray(ids, np.int64)
+        xs, ys, masks = [], [], []
+        width = self.data.num_classes
+        for i, (x, y) in zip(ids, self.data.clients(ids)):
+            n_train = int(self.data.train_counts[i])
+            part = np.arange(n_train) if self.split == "train" else np.arange(n_train, len(y))
+            if keep is not None:
+                part = part[keep(int(i), len(part))]
+            labels = y[part]
+            mask = np.ones(width, np.float32)
+            if self.label_space == "local":  # renumber within the client's training classes
+                classes = np.unique(y[:n_train])
+                at = np.minimum(np.searchsorted(classes, labels), len(classes) - 1)
+                labels = np.where(classes[at] == labels, at, -1)  # -1: a class it never trained on
+                mask[len(classes) :] = 0
+            xs.append(x[part])
+            ys.append(labels)
+            masks.append(mask)
+        dim = self.data.input_shape
+        x = np.concatenate(xs) if xs else np.zeros((0, *dim), np.float32)
+        y = np.concatenate(ys) if ys else np.zeros(0, np.int64)
+        return ClientPool.of(
+            torch.from_numpy(x).to(self.device, self.dtype),
+            torch.from_numpy(y.astype(np.int64)).to(self.device),
+            np.array([len(y) for y in ys], np.int64),
+            torch.from_numpy(np.stack(masks)).to(self.device, self.dtype),
+        )
+
+    def cohort(self, clients, run, rng_for, extra=None, validation=None):
+        """The round inputs of ``clients`` (population ids), from a pool of just them."""
+        clients = np.asarray(clients, np.int64)
+        if validation is not None:
+            raise ConfigError(f"{self.data.name} has no validation split; set val_fraction=0")
+        pool = self.select(clients)
+        local = np.arange(len(clients))
+        return pool.cohort(local, run, lambda c, stream: rng_for(int(clients[c]), stream), extra)
+
+
+def generated_pools(
+    data: GeneratedClients, label_space: str, dtype: torch.dtype, device: torch.device | str
+) -> dict[str, GeneratedPool]:
+    return {s: GeneratedPool(data, s, label_space, dtype, device) for s in ("train", "test")}
 
 
 class SharedFeatures:

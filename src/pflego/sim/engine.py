@@ -9,7 +9,8 @@ to the realized cohort, run the server step (with central noise under differenti
 states together (:func:`run_round`). What happens around rounds (evaluation, checkpoints, the
 divergence check, progress, trackers) are :class:`Callback`\\ s of one training loop (:func:`train`);
 pfl-research's ``TrainingProcessCallback`` is the model: each hook does nothing unless a callback
-overrides it.
+overrides it. When a run evaluates, which clients, and the record it logs are the same for every
+transport too (:func:`evaluation_due`, :func:`evaluation_sample`, :func:`evaluation_record`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from tqdm.auto import tqdm
 from pflego.config import Config
 from pflego.history import History, RunDir
 from pflego.rng import seed_for
+from pflego.sim.backends_auto import AutoBackend
 from pflego.sim.guards import (
     Updates,
     check_finite_server,
@@ -264,6 +266,37 @@ class Evaluate(Callback):
                 callback.on_evaluation(completed, record)
 
 
+def evaluation_due(config: Config, completed: int) -> bool:
+    """Evaluate every ``eval_every`` rounds, at each of the last ``average_last`` and at the end."""
+    return (
+        completed % config.eval_every == 0
+        or completed > config.rounds - config.average_last
+        or completed == config.rounds
+    )
+
+
+def evaluation_sample(config: Config, num_clients: int) -> np.ndarray:
+    """The clients every evaluation covers: all, or ``eval_clients`` of them drawn once."""
+    count = config.eval_clients
+    if count is None or count >= num_clients:
+        return np.arange(num_clients)
+    rng = np.random.default_rng(seed_for(config.seed, 9))
+    return np.sort(rng.choice(num_clients, count, replace=False))
+
+
+def evaluation_record(
+    config: Config, completed: int, summary: dict[str, float], seconds: float
+) -> dict[str, Any]:
+    """One line of ``metrics.jsonl``."""
+    return {
+        "round": completed,
+        "algorithm": config.algorithm,
+        "dataset": config.dataset,
+        **summary,
+        "seconds": round(seconds, 3),
+    }
+
+
 class Run(Protocol):
     """What the divergence check reads of a run."""
 
@@ -370,3 +403,80 @@ class Tracking(Callback):
         trackers, self.trackers = self.trackers, []  # closed once
         for tracker in trackers:
             tracker.close()
+
+
+def is_live(stream: TextIO) -> bool:
+    """Whether ``stream`` redraws a bar in place: a terminal, or a notebook's output."""
+    return "ipykernel" in sys.modules or (hasattr(stream, "isatty") and stream.isatty())
+
+
+class RoundProgress(Callback):
+    """Progress of rounds ``start..total``: a redrawn bar on a terminal (or in a notebook), else
+    one plain line per evaluation, so that a log file, CI or ``| tee`` gets readable lines instead
+    of bar frames. A callback of the training loop, or call :meth:`advance` after each round and
+    :meth:`evaluated` after each evaluation.
+
+    Args:
+        desc: What runs, e.g. ``"pflego on mnist5k"``.
+        start: Rounds already done (a resumed run).
+        total: Rounds in all.
+        enabled: Show anything at all.
+        stream: Where progress goes (default: stderr).
+    """
+
+    def __init__(
+        self, desc: str, start: int, total: int, enabled: bool, stream: TextIO | None = None
+    ) -> None:
+        self.desc, self.start, self.total, self.enabled = desc, start, total, enabled
+        self.stream = stream or sys.stderr
+        self.live = enabled and is_live(self.stream)
+        self.bar = tqdm(
+            desc=desc,
+            unit="round",
+            disable=not self.live,
+            initial=start,
+            total=total,
+            file=self.stream,
+        )
+
+    def advance(self) -> None:
+        """One more round done."""
+        self.bar.update(1)
+
+    def evaluated(self, completed: int, record: dict[str, Any]) -> None:
+        """Show an evaluation's training loss and test accuracy."""
+        loss, accuracy = f"{record['train_loss']:.4f}", f"{100 * record['test_acc']:.2f}%"
+        if self.live:
+            self.bar.set_postfix(train_loss=loss, test_acc=accuracy)
+        elif self.enabled:
+            print(
+                f"{self.desc}: round {completed}/{self.total} train_loss {loss} test_acc {accuracy}",
+                file=self.stream,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def on_round_end(self, completed: int) -> None:
+        self.advance()
+
+    def on_evaluation(self, completed: int, record: dict[str, Any]) -> None:
+        if completed > self.start:  # the evaluation at the start: no round done to show it with
+            self.evaluated(completed, record)
+
+    def on_train_end(self, completed: int) -> None:
+        self.close()
+
+
+class BackendReport(Callback):
+    """Print ``auto``'s choice of backend once its probe has made it."""
+
+    def __init__(self, backend: AutoBackend, bar: RoundProgress) -> None:
+        self.backend, self.bar = backend, bar
+        self.done = False
+
+    def on_round_end(self, completed: int) -> None:
+        if not self.done and self.backend.chosen is not None:
+            self.done = True
+            tqdm.write(f"{self.bar.desc}: {self.backend.summary()}", file=self.bar.stream)

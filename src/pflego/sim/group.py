@@ -97,12 +97,6 @@ class Group:
         dist.all_gather_object(values, value)
         return values
 
-    def from_rank(self, source: int, value: Any) -> Any:
-        """Rank ``source``'s ``value`` on every rank."""
-        box = [value if self.rank == source else None]
-        dist.broadcast_object_list(box, src=source)
-        return box[0]
-
     def to_first(self, value: Any) -> list[Any] | None:
         """Every rank's ``value`` on rank 0 (in rank order); ``None`` elsewhere."""
         values: list[Any] | None = [None] * self.world if self.first else None
@@ -135,7 +129,9 @@ class Group:
                 value = work()
             except PflegoError as exc:
                 error = exc
-        value, error = self.from_rank(0, (value, error))
+        box = [(value, error)]
+        dist.broadcast_object_list(box, src=0)
+        value, error = box[0]
         if error is not None:
             raise error
         return value

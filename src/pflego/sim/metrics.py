@@ -1,12 +1,8 @@
 """Evaluation of every client's personalized model: L(psi), accuracy statistics, before/after adapt.
 
-Clients are evaluated in chunks grouped by size (so that a chunk pads little) and sized by the
-memory their activations take (:data:`EVAL_BYTES`; on a GPU :data:`DEVICE_EVAL_BYTES`, so that
-an evaluation is a few large batched calls, read back to the host once): the algorithm's ``adapt`` (or ``join``, for
+Clients are evaluated in chunks (:class:`Evaluator`): the algorithm's ``adapt`` (or ``join``, for
 clients that never trained) runs first, then ``predict`` and each of the algorithm's extra
-``predictions`` on every split of a :class:`~pflego.sim.clients.ClientPool` that already lives on
-the device, each by the strategy :class:`Evaluator` chooses for it once a run. Adapted states
-are used for that evaluation only and never stored.
+``predictions`` on every split. Adapted states are used for that evaluation only and never stored.
 
 Metric names: ``<split>_<loss|acc>`` for the personalized model (after ``adapt`` when the
 algorithm has one), ``<split>_<loss|acc>_before_adapt`` for the same clients without it, and
@@ -31,8 +27,7 @@ from pflego.data import FederatedData
 from pflego.data.stream import GeneratedClients
 from pflego.local import fused_steps
 from pflego.models import SplitModel, apply_layers
-from pflego.sim.clients import ClientPool, SharedFeatures
-from pflego.sim.generated import generated_pools
+from pflego.sim.clients import ClientPool, SharedFeatures, generated_pools
 from pflego.sim.summary import summarize
 from pflego.tree import Params
 from pflego.types import ClientData, ClientState, Downlink, RoundContext
@@ -52,8 +47,6 @@ LOGITS = "logits of the downlink's model"
 
 #: The downlink of given client ids (a :class:`~pflego.types.Downlink`, or its payload).
 DownlinkFor = Callable[[np.ndarray], Downlink | Params]
-AdaptInputs = Callable[[np.ndarray], ClientData]
-AdaptClients = Callable[[np.ndarray], list[ClientData]]
 Metrics = tuple[Tensor, Tensor]
 #: A strategy: an :class:`Evaluator`'s losses and accuracies ``[C]`` of one view of a chunk's
 #: clients on one split (unbound: an evaluator holding its own bound methods would be a
@@ -76,9 +69,9 @@ class Personalization:
     """
 
     method: str
-    inputs: AdaptInputs
+    inputs: Callable[[np.ndarray], ClientData]
     ctx: RoundContext
-    clients: AdaptClients
+    clients: Callable[[np.ndarray], list[ClientData]]
     fused: bool = False
 
 
@@ -253,18 +246,10 @@ class Evaluator:
     """One evaluation: its chunks of clients and the strategy of each view.
 
     Each view (the personalized model, the same before ``adapt``, each extra prediction) is
-    evaluated by a strategy chosen once for the run (:meth:`choose`); one that runs client
-    models runs them vmapped on padded chunks or, chunk by chunk as :func:`one_by_one` says,
-    client by client:
-
-    - :meth:`pooled_logits`: the downlink's model (or a downlink-only prediction) once over the
-      pool's rows, its logits read per client;
-    - :meth:`vmapped_models` / :meth:`client_by_client`: each client's whole model on its rows;
-    - :meth:`vmapped_heads` / :meth:`heads_client_by_client`: each client's head on the shared
-      body's features, computed once.
-
-    A chunk evaluated one by one personalizes one by one too, each client on its own training
-    rows (:func:`personalized`); other chunks personalize vmapped on padded training data.
+    evaluated by a strategy chosen once for the run (:meth:`choose`): pooled logits, whole models,
+    or heads on the shared body's features, the last two vmapped on padded chunks or, chunk by
+    chunk as :func:`one_by_one` says, client by client. A chunk evaluated one by one personalizes
+    one by one too (:func:`personalized`); other chunks personalize vmapped on padded training data.
     """
 
     def __init__(
@@ -499,52 +484,27 @@ def evaluate_clients(
 @torch.no_grad()
 def client_rows(
     algorithm: Algorithm,
-    downlink_for: DownlinkFor | Downlink | Params,
+    downlink_for: DownlinkFor,
     states: ClientState,
     pools: dict[str, ClientPool],
     personalization: Personalization | None = None,
     chunk_size: int | None = None,
-    clients: np.ndarray | None = None,
+    ids: np.ndarray | None = None,
     counts: dict[str, np.ndarray] | None = None,
 ) -> list[dict[str, float]]:
-    """One row per evaluated client: its id, sample counts and metrics (see
-    :func:`evaluate_clients`). ``counts`` replaces a pool's own sizes in the ``n_<split>``
-    columns (a training split evaluated on a subsample still weighs clients by N_i)."""
-    if not callable(downlink_for):  # one downlink for every client
-        sent = downlink_for
-        downlink_for = lambda ids: sent  # noqa: E731
-    ids = np.arange(len(pools["train"].sizes)) if clients is None else np.asarray(clients)
-    values = evaluate_clients(
-        algorithm, downlink_for, states, pools, personalization, chunk_size, ids
-    )
+    """One row per client of the pools: its id (``ids``, default its position), sample counts and
+    metrics (see :func:`evaluate_clients`). ``counts`` replaces a pool's own sizes in the
+    ``n_<split>`` columns (a training split evaluated on a subsample still weighs clients by N_i)."""
+    values = evaluate_clients(algorithm, downlink_for, states, pools, personalization, chunk_size)
     sizes = {split: pool.sizes for split, pool in pools.items()} | (counts or {})
     columns = {
-        "client": ids,
-        **{f"n_{s}": sizes[s][ids] for s in pools},
-        **{f"n_{s}_known": pool.known[ids] for s, pool in pools.items() if s != "train"},
+        "client": np.arange(len(sizes["train"])) if ids is None else np.asarray(ids),
+        **{f"n_{s}": sizes[s] for s in pools},
+        **{f"n_{s}_known": pool.known for s, pool in pools.items() if s != "train"},
         **values,
     }
     lists = {k: v.tolist() for k, v in columns.items()}
     return [dict(zip(lists, values)) for values in zip(*lists.values())]
-
-
-def evaluate_pools(
-    algorithm: Algorithm,
-    downlink_for: DownlinkFor | Downlink | Params,
-    states: ClientState,
-    pools: dict[str, ClientPool],
-    personalization: Personalization | None = None,
-    chunk_size: int | None = None,
-) -> tuple[dict[str, float], list[dict[str, float]]]:
-    """Evaluate every client's personalized model on each of its splits.
-
-    ``downlink_for`` may be one downlink for every client (shared) or a function of client ids.
-
-    Returns:
-        Summary metrics (see :func:`summarize`) and one row per client.
-    """
-    rows = client_rows(algorithm, downlink_for, states, pools, personalization, chunk_size)
-    return summarize(rows), rows
 
 
 def evaluate(
@@ -555,16 +515,21 @@ def evaluate(
     dtype: torch.dtype,
     personalization: Personalization | None = None,
 ) -> tuple[dict[str, float], list[dict[str, float]]]:
-    """Evaluate from a per-client state function (convenience form of :func:`evaluate_pools`).
+    """Evaluate every client's personalized model on each of its splits, from a per-client state
+    function.
 
     ``downlink``: every client's (the payload the algorithm sends all of them, or its
     :class:`~pflego.types.Downlink`).
+
+    Returns:
+        Summary metrics (see :func:`summarize`) and one row per client.
     """
     states = tree.stack(client_state(i) for i in range(data.num_clients))
     sent = downlink if isinstance(downlink, Downlink) else algorithm.received(downlink)
     device = next(iter(sent.payload.values())).device
     pools = build_pools(data, algorithm.label_space, dtype, device)
-    return evaluate_pools(algorithm, sent.select, states, pools, personalization)
+    rows = client_rows(algorithm, sent.select, states, pools, personalization)
+    return summarize(rows), rows
 
 
 def build_pools(

@@ -1,47 +1,63 @@
-"""The one round loop: sample, downlink, client updates, aggregate, server step, evaluate, log,
-checkpoint."""
+"""The simulator: its round loop (sample, downlink, client updates, aggregate, server step),
+evaluation inside it (which clients, how they personalize first, the unseen clients, the record),
+log and checkpoints."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import reduce
 from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from pflego import tree
 from pflego.config import to_dict
 from pflego.environment import CHECKPOINT_FORMAT, pflego_version
-from pflego.history import CheckpointWriter, History, RunDir
-from pflego.rng import minibatch_rng, seed_for
+from pflego.history import CheckpointWriter, History, RunDir, snapshot
+from pflego.rng import adapt_rng, minibatch_rng, seed_for
 from pflego.sim.backends import FUSED_MIN_SAMPLES, Backend, fuses, make_backend, resolve_backend
 from pflego.sim.backends_auto import AutoBackend, auto_backend, probing_enabled
 from pflego.sim.build import Experiment
 from pflego.sim.clients import ClientPool, ClientStore, Cohort, validation_split
 from pflego.sim.engine import (
-    Callback,
+    BackendReport,
     Checkpoints,
     Curves,
     DivergenceCheck,
     Evaluate,
+    RoundProgress,
     Sampling,
     Tracking,
+    evaluation_due,
+    evaluation_record,
+    evaluation_sample,
     run_round,
     train,
 )
-from pflego.sim.evaluation import Evaluation, evaluation_sample
-from pflego.sim.guards import Updates, finite_states, rows
+from pflego.sim.guards import Updates, deferred_interrupts, finite_states, rows
 from pflego.sim.memory import retained_heap
-from pflego.sim.metrics import build_pools
+from pflego.sim.metrics import Personalization, build_pools, client_rows
 from pflego.sim.privacy import Privacy
 from pflego.sim.profile import Profile
-from pflego.sim.progress import RoundProgress
+from pflego.sim.summary import participation_gap, summarize
 from pflego.tree import Params
-from pflego.types import ClientOut, ClientState, RoundContext, Schedule, ServerState
+from pflego.types import (
+    ClientData,
+    ClientOut,
+    ClientState,
+    Downlink,
+    RoundContext,
+    Schedule,
+    ServerState,
+)
 
 
-class Simulation(Evaluation):
+class Simulation:
     """State of a simulated run and the round loop over it.
 
     Every client's data is placed on ``config.device`` once; private states live in a stacked
@@ -137,17 +153,9 @@ class Simulation(Evaluation):
         if self.train_pool.sizes.mean() < FUSED_MIN_SAMPLES:
             return False
         ctx, client = self.context(0), np.array([0])
-        downlink = self.downlink(ctx, client)
-        own = self.one_downlink(downlink, 0, 0)
-        state = tree.to(self.init_state(0, tree.to(own, "cpu"), ctx), self.device)
-        plan = Schedule(2, 1)
-        inputs = self.train_pool.cohort(
-            client,
-            plan,
-            lambda i, stream: minibatch_rng(self.cfg.seed, 0, i, stream),
-            self.algorithm.schedules(plan),
-            self.pools[validation_split(self.exp.data)] if self.algorithm.uses_validation else None,
-        )
+        own = self.one_downlink(self.downlink(ctx, client), 0, 0)
+        state = tree.to(self.init_state(0, own, ctx), self.device)
+        inputs = self.round_inputs(0, client, Schedule(2, 1))
         try:
             return fuses(self.algorithm, own, state, inputs.client(0), ctx)
         except Exception:  # noqa: BLE001  (a heuristic: training reports real errors itself)
@@ -206,9 +214,10 @@ class Simulation(Evaluation):
         self.initialize(clients, downlink, ctx)
         return self.store.gather(clients, self.device)
 
-    def round_inputs(self, t: int, clients: np.ndarray) -> Cohort:
-        """The cohort's padded round inputs; minibatches are shuffled by (seed, round, client)."""
-        run = self.run_schedule
+    def round_inputs(self, t: int, clients: np.ndarray, plan: Schedule | None = None) -> Cohort:
+        """The cohort's padded round inputs (on the run's schedule, or ``plan``); minibatches are
+        shuffled by (seed, round, client)."""
+        run = plan or self.run_schedule
         return self.train_pool.cohort(
             clients,
             run,
@@ -275,6 +284,199 @@ class Simulation(Evaluation):
             evaluated_clients=len(self.eval_ids),
             device=str(self.device),
         )
+
+    # --- evaluation -------------------------------------------------------------------------
+
+    def personalization(
+        self, completed: int, unseen: bool = False, clients: np.ndarray | None = None
+    ) -> Personalization | None:
+        """How clients personalize before the evaluation after ``completed`` rounds.
+
+        The evaluation names clients by their position in ``clients`` (by default, their ids).
+        """
+        if not (unseen or self.algorithm.adapts):
+            return None
+        pool = (self.unseen_pools if unseen else self.pools)["train"]
+        plan = self.algorithm.adapt_schedule(self.run_schedule)
+        if unseen and self.cfg.join_epochs is not None:  # e.g. PGFed's new clients: 20 epochs
+            plan = plan._replace(local_epochs=self.cfg.join_epochs)
+        offset = self.exp.data.num_clients if unseen else 0
+
+        def cohort(ids: np.ndarray) -> Cohort:
+            rng = lambda i, stream: adapt_rng(self.cfg.seed, completed, i + offset, stream)  # noqa: E731
+            return pool.cohort(ids if clients is None else clients[ids], plan, rng)
+
+        def clients_of(ids: np.ndarray) -> list[ClientData]:
+            chunk = cohort(ids)
+            return [chunk.client(j) for j in range(len(chunk))]
+
+        return Personalization(
+            "join" if unseen else "adapt",
+            lambda ids: cohort(ids).data,
+            self.context(completed),
+            clients_of,
+            fused=self.backend_name != "loop",  # loop: the autograd reference, also here
+        )
+
+    def evaluate(self, completed: int) -> dict[str, Any]:
+        """Evaluate every client (or the fixed sample ``eval_clients``), and every unseen client,
+        and log one record."""
+        with self.profile.part("evaluate"), self.calibrated(completed):
+            summary, rows = self.evaluate_population(completed)
+            summary |= self.population_summary()
+            if self.unseen_pools is not None:
+                unseen_summary, unseen_rows = self.evaluate_unseen(completed)
+                summary |= unseen_summary | participation_gap(summary | unseen_summary)
+                rows += unseen_rows
+        record = evaluation_record(self.cfg, completed, summary, self.seconds)
+        if self.algorithm.adapts:
+            record["adapted"] = True
+        if len(self.eval_ids) < self.exp.data.num_clients:
+            record["eval_clients"] = len(self.eval_ids)
+        if self.cfg.eval_train_samples is not None:
+            record["eval_train_samples"] = self.cfg.eval_train_samples
+        if self.privacy is not None:
+            record |= self.privacy.record(completed)
+        record["dropped"] = self.dropped
+        with deferred_interrupts():
+            self.records.append(record)
+            self.dropped = []
+            if self.run_dir:
+                self.run_dir.log(record, rows)
+        return record
+
+    @contextmanager
+    def calibrated(self, completed: int) -> Iterator[None]:
+        """Within it, the server state is the algorithm's ``calibrate`` of every training
+        client's ``statistics`` (the evaluation downlink over its whole training split, summed),
+        for an algorithm that calibrates (CCVR); the server's own state comes back after."""
+        if not self.algorithm.calibrates:
+            yield
+            return
+        ctx, ids = self.context(completed), np.arange(self.exp.data.num_clients)
+        downlink = self.algorithm.send(self.server, ctx, torch.as_tensor(ids), evaluation=True)
+        rng = lambda i, stream: adapt_rng(self.cfg.seed, completed, i, stream)  # noqa: E731
+        clients = self.pools["train"].cohort(ids, self.run_schedule, rng)
+        parts = (
+            self.algorithm.statistics(downlink.of(c), clients.client(c), ctx)
+            for c in range(len(ids))
+        )
+        own = self.server
+        self.server = self.algorithm.calibrate(own, reduce(tree.add, parts), ctx)
+        try:
+            yield
+        finally:
+            self.server = own
+
+    def evaluate_population(self, completed: int) -> tuple[dict[str, float], list[dict]]:
+        """Rows of the evaluated clients; a client whose state did not change since its last
+        evaluation keeps its row when the server state did not change either and nothing
+        personalizes at evaluation (the numbers would be the same)."""
+        ctx, ids = self.context(completed), self.owned(self.eval_ids)
+
+        def own_rows() -> list[dict]:
+            missing = self.store.missing(ids)
+            if len(missing):  # first-visit states from the round's downlink
+                self.initialize(missing, self.downlink(ctx, missing), ctx)
+            stale = ids
+            if not self.algorithm.adapts:
+                unchanged = self.eval_server is not None and same_values(
+                    self.server, self.eval_server
+                )
+                known = np.array([int(i) in self.eval_rows for i in ids], dtype=bool)
+                if unchanged:
+                    stale = ids[self.store.changed[torch.as_tensor(ids)].numpy() | ~known]
+                self.eval_server = snapshot(self.server)
+            for row in self.client_rows(stale, completed, ctx):
+                self.eval_rows[row["client"]] = row
+            self.store.changed[torch.as_tensor(stale, dtype=torch.int64)] = False
+            return [self.eval_rows[int(i)] for i in ids]
+
+        rows = self.gather_rows(own_rows, self.eval_ids)
+        return summarize(rows), rows
+
+    def should_evaluate(self, completed: int) -> bool:
+        return evaluation_due(self.cfg, completed)
+
+    def owned(self, clients: np.ndarray) -> np.ndarray:
+        """Those of ``clients`` whose states this process holds and evaluates: all of them (a
+        process of a distributed run holds its share)."""
+        return clients
+
+    def gather_rows(self, own_rows: Callable[[], list[dict]], order: np.ndarray) -> list[dict]:
+        """The evaluation rows that ``own_rows()`` makes in every process, joined in the order of
+        the client ids ``order`` (one process makes them all)."""
+        return own_rows()
+
+    def population_summary(self) -> dict[str, float]:
+        """The algorithm's ``population_metrics`` over every client's stored state."""
+        population = self.algorithm.population_metrics(self.server, self.store.tensors)
+        return {k: float(v) for k, v in population.items()}
+
+    def client_rows(self, clients: np.ndarray, completed: int, ctx: RoundContext) -> list[dict]:
+        """Evaluation rows of ``clients``: on the pools as they are when that is every client,
+        else on pools of just them (a generated population always)."""
+        if len(clients) == 0:
+            return []
+        keep = self.train_subsample if self.cfg.eval_train_samples is not None else None
+        pools = self.eval_pools
+        if len(clients) < self.exp.data.num_clients or not isinstance(self.train_pool, ClientPool):
+            pools = {
+                split: pool.select(clients, keep if split == "train" else None)
+                for split, pool in self.pools.items()
+            }
+        first = self.algorithm.send(self.server, ctx, torch.as_tensor(clients[:1]), True)
+
+        def downlink_for(ids: np.ndarray) -> Downlink:
+            if not first.per_client:
+                return first
+            return self.algorithm.send(self.server, ctx, torch.as_tensor(clients[ids]), True)
+
+        return client_rows(  # moves the states to the device chunk by chunk
+            self.algorithm,
+            downlink_for,
+            self.store.read(clients),
+            pools,
+            self.personalization(completed, clients=clients),
+            self.cfg.chunk_size,
+            ids=clients,
+            counts={"train": self.train_pool.sizes[clients]} if keep else None,
+        )
+
+    def evaluate_unseen(self, completed: int) -> tuple[dict[str, float], list[dict]]:
+        """Clients that never trained join from their first-visit state with ``join``.
+
+        They receive the newcomer's downlink (``downlink`` without client ids); their states are
+        built for this evaluation only. Metrics carry the prefix ``unseen_``.
+        """
+        ctx = self.context(completed)
+        offset, count = self.exp.data.num_clients, self.exp.unseen.num_clients
+        mine = self.owned(np.arange(offset, offset + count)) - offset
+        payload = self.algorithm.evaluation_downlink(self.server, ctx)
+        host = tree.to(payload, "cpu")
+        newcomer = self.algorithm.received(payload)
+        downlink_for = lambda ids: newcomer.sent_to(len(ids))  # noqa: E731
+
+        def own_rows() -> list[dict]:
+            if not len(mine):
+                return []
+            states = tree.stack(self.init_state(offset + int(j), host, ctx) for j in mine)
+            pools = self.unseen_pools
+            if len(mine) < count:
+                pools = {split: pool.select(mine) for split, pool in pools.items()}
+            rows = client_rows(
+                self.algorithm,
+                downlink_for,
+                states,
+                pools,
+                self.personalization(completed, unseen=True, clients=mine),
+                self.cfg.chunk_size,
+                ids=offset + mine,
+            )
+            return [row | {"unseen": 1} for row in rows]
+
+        rows = self.gather_rows(own_rows, np.arange(offset, offset + count))
+        return summarize(rows, "unseen_"), rows
 
     # --- persistence ------------------------------------------------------------------------
 
@@ -370,14 +572,10 @@ class Simulation(Evaluation):
         self.next_round = t + 1
 
 
-class BackendReport(Callback):
-    """Print ``auto``'s choice of backend once its probe has made it."""
-
-    def __init__(self, backend: AutoBackend, bar: RoundProgress) -> None:
-        self.backend, self.bar = backend, bar
-        self.done = False
-
-    def on_round_end(self, completed: int) -> None:
-        if not self.done and self.backend.chosen is not None:
-            self.done = True
-            tqdm.write(f"{self.bar.desc}: {self.backend.summary()}", file=self.bar.stream)
+def same_values(a: Any, b: Any) -> bool:
+    """Whether two nested dicts and lists of tensors hold the same structure and values."""
+    (left, structure), (right, other) = pytree.tree_flatten(a), pytree.tree_flatten(b)
+    return structure == other and all(
+        isinstance(y, Tensor) and torch.equal(x, y) if isinstance(x, Tensor) else x == y
+        for x, y in zip(left, right, strict=True)
+    )
