@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from pflego.data import download
 from pflego.data.cache import cached_arrays
 from pflego.data.datasets import check_digits, check_labels, gunzip_bytes, parse_idx, register
 from pflego.data.download import REMOTES, ensure_files
@@ -157,15 +156,13 @@ def read_cifar_batch(raw: bytes, where: str, label_keys: tuple[str, ...]) -> dic
 
 
 def _cifar_source(root: Path, folder_name: str, key: str) -> Path:
-    """The extracted folder or the official tarball, downloading it if needed."""
+    """The extracted folder or the official tarball (checked, or downloaded into ``root``)."""
     for base in (root, root / key):
         if (base / folder_name).is_dir():
             return base / folder_name
     tarball = REMOTES[key][0].filename
-    for base in (root, root / key):
-        if (base / tarball).is_file():
-            return download.verify_local(key, base / tarball)
-    return ensure_files(key, root)[0]
+    in_subfolder = (root / key / tarball).is_file() and not (root / tarball).is_file()
+    return ensure_files(key, root / key if in_subfolder else root)[0]
 
 
 def _cifar_members(source: Path, folder_name: str) -> dict[str, bytes]:
