@@ -115,13 +115,10 @@ def init_head(
             "head.weight": torch.zeros(shape_w, dtype=dtype),
             "head.bias": torch.zeros(shape_b, dtype=dtype),
         }
-    if kind == "uniform":
-        low, high = 0.0, 1.0
-    elif kind == "linear":
-        high = 1 / math.sqrt(feature_dim)
-        low = -high
-    else:
+    if kind not in HEAD_INITS:
         raise ConfigError(f"unknown head_init {kind!r}; choose one of {', '.join(HEAD_INITS)}")
+    bound = 1 / math.sqrt(feature_dim)
+    low, high = (0.0, 1.0) if kind == "uniform" else (-bound, bound)
     width = high - low
     weight = torch.rand(shape_w, generator=generator, dtype=torch.float64) * width + low
     bias = torch.rand(shape_b, generator=generator, dtype=torch.float64) * width + low
