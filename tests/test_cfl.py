@@ -59,7 +59,7 @@ def population(opposite: bool, seed: int = 0):
     starts = np.arange(CLIENTS) * 2 * SAMPLES
     train = [np.arange(s, s + SAMPLES) for s in starts]
     test = [np.arange(s + SAMPLES, s + 2 * SAMPLES) for s in starts]
-    return from_parts(raw, train, test, raw.x_train, raw.y_train)
+    return from_parts(raw, train, test)
 
 
 def clustered_run(opposite: bool, rounds: int) -> Simulation:

@@ -70,7 +70,7 @@ def ragged_experiment(algorithm: str, **overrides):
         test.append(pool[start + size : start + size + 4])
         val.append(pool[start + size + 4 : start + size + 4 + val_size])
         start += size + 4 + val_size
-    data = from_parts(raw, train, test, raw.x_train, raw.y_train, val)
+    data = from_parts(raw, train, test, val)
     exp.data, exp.unseen = split_unseen(data, exp.config.unseen_fraction, exp.config.seed)
     model = exp.algorithm.model
     model.max_local_classes = exp.data.max_classes

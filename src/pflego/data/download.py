@@ -162,19 +162,6 @@ def _failure(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def _retrieve(remote: Remote, url: str, folder: Path) -> None:
-    """Download ``url`` into ``folder`` as ``remote.filename`` through pooch (atomic, verified)."""
-    pooch.get_logger().setLevel(logging.WARNING)  # pflego logs the download itself
-    downloader = pooch.HTTPDownloader(progressbar=sys.stderr.isatty(), timeout=TIMEOUT_S)
-    try:
-        pooch.retrieve(url, remote.checksum, remote.filename, str(folder), downloader=downloader)
-    except ValueError:  # pooch's checksum mismatch (it has deleted the download already)
-        raise DataError(
-            f"download of {url} does not match its published checksum ({remote.checksum}); try "
-            f"again later or put the official file at {folder / remote.filename}"
-        ) from None
-
-
 def fetch(remote: Remote, folder: Path) -> Path:
     """Download ``remote`` into ``folder``, trying its URLs in order; verify its checksum.
 
@@ -192,15 +179,22 @@ def fetch(remote: Remote, folder: Path) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DataError(f"cannot create {folder} ({exc}); pass a writable --data-dir") from None
+    pooch.get_logger().setLevel(logging.WARNING)  # pflego logs the download itself
+    downloader = pooch.HTTPDownloader(progressbar=sys.stderr.isatty(), timeout=TIMEOUT_S)
     errors = []
     try:
         for url in remote.urls:
             log.info("downloading %s", url)
-            try:
-                _retrieve(remote, url, folder)
+            try:  # pooch streams it to a temporary file, checks it, then moves it into place
+                pooch.retrieve(url, remote.checksum, remote.filename, folder, downloader=downloader)
                 return dest
             except OSError as exc:  # requests' errors are OSErrors
                 errors.append(f"{url}: {_failure(exc)}")
+            except ValueError:  # pooch's checksum mismatch (it has deleted the download already)
+                raise DataError(
+                    f"download of {url} does not match its published checksum "
+                    f"({remote.checksum}); try again later or put the official file at {dest}"
+                ) from None
         raise DataError(f"cannot download {remote.filename} ({'; '.join(errors)})")
     finally:
         for path in created:  # leave no empty folders behind after a failed download

@@ -213,26 +213,19 @@ class FederatedData:
     def summary(self) -> list[dict[str, Any]]:
         """Per client: its classes (those of its training split), its train / test (/ val)
         sample counts, the per-class counts of each split and its natural group."""
-        rows = [
+        splits = ("train", "test") + (("val",) if self.val_offsets is not None else ())
+        sizes = {split: getattr(self, f"{split}_offsets").diff().tolist() for split in splits}
+        counts = {split: self.class_counts(split) for split in splits}
+        return [
             {
                 "client": i,
                 "classes": [int(c) for c in self.client_classes[i] if c >= 0],
-                "train": int(self.train_sizes[i]),
-                "test": int(self.test_sizes[i]),
+                **{split: sizes[split][i] for split in splits},
+                **{f"{split}_counts": counts[split][i] for split in splits},
+                **({"group": self.groups[i]} if self.groups is not None else {}),
             }
             for i in range(self.num_clients)
         ]
-        if self.val_offsets is not None:
-            for row, n in zip(rows, self.val_offsets.diff().tolist()):
-                row["val"] = int(n)
-        splits = ("train", "test") + (("val",) if self.val_offsets is not None else ())
-        for split in splits:
-            for row, counts in zip(rows, self.class_counts(split)):
-                row[f"{split}_counts"] = counts
-        if self.groups is not None:
-            for row, g in zip(rows, self.groups):
-                row["group"] = g
-        return rows
 
 
 def _concat(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray]) -> tuple[Tensor, Tensor, Tensor]:
@@ -264,21 +257,19 @@ def from_parts(
     data: ArrayDataset,
     train_parts: list[np.ndarray],
     test_parts: list[np.ndarray],
-    x_test: np.ndarray | None = None,
-    y_test: np.ndarray | None = None,
     val_parts: list[np.ndarray] | None = None,
     groups: list[str] | None = None,
 ) -> FederatedData:
     """Assemble ``FederatedData`` from per-client index arrays into the train and test pools.
 
+    Test parts index the official test split, or the training arrays when there is none;
     ``val_parts`` (indices into the training pool) give each client a validation split. Each
     client's classes (its personal head's outputs) are those of its training split; test and
     validation samples of other classes get the local label -1.
     """
-    x_test = data.x_test if x_test is None else x_test
-    y_test = data.y_test if y_test is None else y_test
+    pool = (data.x_train, data.y_train) if data.x_test is None else (data.x_test, data.y_test)
     xtr, ytr, otr = _concat(data.x_train, data.y_train, train_parts)
-    xte, yte, ote = _concat(x_test, y_test, test_parts)
+    xte, yte, ote = _concat(*pool, test_parts)
     # A client's label set is the classes of its training split only: a head never has outputs
     # for classes seen only in its test or validation split (their samples count as errors).
     sets = [np.unique(data.y_train[a]).astype(np.int64) for a in train_parts]
@@ -347,44 +338,29 @@ def federate(
     if partition == "auto":
         partition = "natural" if data.groups_train is not None else "classes"
     rng = np.random.default_rng([seed, 7])
+    groups = None  # the natural groups' names, where clients are natural groups
     if partition == "natural":
-        return _federate_natural(data, num_clients, test_fraction, val_fraction, rng)
-    if partition == "natural-dirichlet":
-        return _federate_natural_dirichlet(
-            data, num_clients, alpha, min_client_size, test_fraction, val_fraction, rng
+        train_parts, test_parts, groups = _federate_natural(data, num_clients, test_fraction, rng)
+    elif partition == "natural-dirichlet":
+        train_parts, test_parts, groups = _federate_natural_dirichlet(
+            data, num_clients, alpha, min_client_size, test_fraction, rng
         )
-    if partition == "pachinko":
-        return _federate_pachinko(data, num_clients, alpha, beta, test_fraction, val_fraction, rng)
-    k = P.resolve_classes_per_client(classes_per_client, data.num_classes)
-    shares = P.class_shares(partition, num_clients, data.num_classes, rng, k, alpha)
-    train_parts = P.enforce_min_size(P.deal(data.y_train, shares, rng), min_client_size, rng)
-    if data.x_test is None:
-        train_parts, test_parts = P.split_train_test(train_parts, test_fraction, rng)
+    elif partition == "pachinko":
+        train_parts, test_parts = _federate_pachinko(
+            data, num_clients, alpha, beta, test_fraction, rng
+        )
     else:
-        test_parts = P.deal(data.y_test, shares, rng)
-        if partition != "classes":
-            test_parts = P.enforce_min_size(test_parts, 1, rng)
-    return _with_validation(data, train_parts, test_parts, val_fraction, rng)
-
-
-def _with_validation(
-    data: ArrayDataset,
-    train_parts: list[np.ndarray],
-    test_parts: list[np.ndarray],
-    val_fraction: float,
-    rng: np.random.Generator,
-    groups: list[str] | None = None,
-) -> FederatedData:
-    """``from_parts`` after holding out ``val_fraction`` of each client's training samples.
-
-    Test parts index the official test split, or the training arrays when there is none.
-    """
+        k = P.resolve_classes_per_client(classes_per_client, data.num_classes)
+        shares = P.class_shares(partition, num_clients, data.num_classes, rng, k, alpha)
+        train_parts = P.enforce_min_size(P.deal(data.y_train, shares, rng), min_client_size, rng)
+        if data.x_test is None:
+            train_parts, test_parts = P.split_train_test(train_parts, test_fraction, rng)
+        else:
+            test_parts = P.deal(data.y_test, shares, rng)
+            if partition != "classes":
+                test_parts = P.enforce_min_size(test_parts, 1, rng)
     train_parts, val_parts = P.split_fraction(train_parts, val_fraction, rng)
-    x_test, y_test = (
-        (data.x_train, data.y_train) if data.x_test is None else (data.x_test, data.y_test)
-    )
-    val = val_parts if val_fraction > 0 else None
-    return from_parts(data, train_parts, test_parts, x_test, y_test, val, groups)
+    return from_parts(data, train_parts, test_parts, val_parts if val_fraction else None, groups)
 
 
 def _groups(data: ArrayDataset, split: str = "train") -> np.ndarray:
@@ -409,9 +385,10 @@ def _federate_natural(
     data: ArrayDataset,
     num_clients: int,
     test_fraction: float,
-    val_fraction: float,
     rng: np.random.Generator,
-) -> FederatedData:
+) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
+    """Each client's training and test indices (into the official test split, or the training
+    arrays when there is none) and its natural group's name; likewise below."""
     selected = P.select_groups(_groups(data), num_clients, rng)
     groups = _group_names(data, selected)
     parts = P.group_parts(data.groups_train, selected)
@@ -419,7 +396,7 @@ def _federate_natural(
         train_parts, test_parts = P.split_train_test(parts, test_fraction, rng)
     else:
         train_parts, test_parts = parts, P.group_parts(_groups(data, "test"), selected)
-    return _with_validation(data, train_parts, test_parts, val_fraction, rng, groups)
+    return train_parts, test_parts, groups
 
 
 def _federate_natural_dirichlet(
@@ -428,9 +405,8 @@ def _federate_natural_dirichlet(
     alpha: float,
     min_client_size: int,
     test_fraction: float,
-    val_fraction: float,
     rng: np.random.Generator,
-) -> FederatedData:
+) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
     groups = np.unique(_groups(data))
     if num_clients % len(groups):
         raise ConfigError(
@@ -451,8 +427,7 @@ def _federate_natural_dirichlet(
             tests = [test_rows[p] for p in P.deal(data.y_test[test_rows], shares, rng)]
         train_parts += parts
         test_parts += tests
-    client_groups = _group_names(data, np.repeat(groups, per_group))
-    return _with_validation(data, train_parts, test_parts, val_fraction, rng, client_groups)
+    return train_parts, test_parts, _group_names(data, np.repeat(groups, per_group))
 
 
 def _federate_pachinko(
@@ -461,9 +436,8 @@ def _federate_pachinko(
     alpha: float,
     beta: float,
     test_fraction: float,
-    val_fraction: float,
     rng: np.random.Generator,
-) -> FederatedData:
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     fine, coarse = data.extra.get("fine_train"), data.extra.get("coarse_train")
     if fine is None or coarse is None:
         raise ConfigError(
@@ -489,4 +463,4 @@ def _federate_pachinko(
         train_parts, test_parts = P.split_train_test(train_parts, test_fraction, rng)
     else:
         test_parts = allocate(data.extra["fine_test"])
-    return _with_validation(data, train_parts, test_parts, val_fraction, rng)
+    return train_parts, test_parts

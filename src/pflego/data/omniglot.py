@@ -16,10 +16,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pflego.data import download
 from pflego.data.cache import cached_arrays
 from pflego.data.datasets import register
-from pflego.data.download import REMOTES, fetch
+from pflego.data.download import ensure_files
 from pflego.data.federated import ArrayDataset
 from pflego.data.images import decode_image, image_files
 from pflego.errors import DataError
@@ -52,23 +51,14 @@ def _entries(source: Path) -> list[tuple[str, str, str, bytes]]:
 
 
 def _sources(root: Path) -> list[Path]:
+    """Each set's extracted folder, else its zip (checked against its checksum, downloaded into
+    ``<root>/omniglot`` when neither is there)."""
     folder = root / "omniglot" if (root / "omniglot").is_dir() else root
-    found = []
-    for name, remote in zip(SETS, REMOTES["omniglot"]):
-        if (folder / f"{name}.zip").is_file():
-            found.append(download.verify_local("omniglot", folder / f"{name}.zip"))
-        elif (folder / name).is_dir():
-            found.append(folder / name)
-        else:
-            target = root / "omniglot"
-            try:
-                found.append(fetch(remote, target))
-            except DataError as exc:
-                raise DataError(
-                    f"omniglot: missing {name}.zip in {target} and {exc}; download it from "
-                    f"{remote.urls[0]} into that folder (or pass --data-dir)"
-                ) from None
-    return found
+    extracted = [n for n in SETS if (folder / n).is_dir() and not (folder / f"{n}.zip").is_file()]
+    zips = [f"{n}.zip" for n in SETS if n not in extracted]
+    if not extracted and not any((folder / z).is_file() for z in zips):
+        folder = root / "omniglot"
+    return [*(folder / n for n in extracted), *ensure_files("omniglot", folder, zips)]
 
 
 def decode_omniglot(sources: list[Path]) -> dict[str, np.ndarray]:

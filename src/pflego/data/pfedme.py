@@ -92,7 +92,7 @@ def load_mnist_pfedme(root: Path, seed: int = 0) -> ArrayDataset:
     The clients are natural groups (``partition: auto`` keeps them); the layout is the same for
     every run seed (see the module docstring).
     """
-    mnist = load_idx_dataset("mnist", root, "mnist")
+    mnist = load_idx_dataset("mnist", root)
     x = np.concatenate([mnist.x_train, mnist.x_test]).astype(np.float32)
     y = np.concatenate([mnist.y_train, mnist.y_test])
     std = x.std(0)

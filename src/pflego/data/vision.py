@@ -8,14 +8,14 @@ import pickle
 import tarfile
 import zipfile
 import zlib
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pflego.data import download
 from pflego.data.cache import cached_arrays
-from pflego.data.datasets import check_labels, check_pair, gunzip_bytes, parse_idx, register
+from pflego.data.datasets import check_digits, check_labels, gunzip_bytes, parse_idx, register
 from pflego.data.download import REMOTES, ensure_files
 from pflego.data.federated import ArrayDataset
 from pflego.errors import DataError
@@ -51,7 +51,7 @@ def _emnist_read(source: Path, member: str) -> np.ndarray:
     return parse_idx(gunzip_bytes(raw, where), where)
 
 
-def load_emnist(root: Path, split: str) -> ArrayDataset:
+def load_emnist(root: Path, seed: int = 0, *, split: str) -> ArrayDataset:
     """One EMNIST split from ``<root>/emnist/gzip.zip`` (or the extracted ``<root>/emnist/gzip/``).
 
     EMNIST images are stored transposed (column-major); they are transposed back here so that
@@ -70,15 +70,11 @@ def load_emnist(root: Path, split: str) -> ArrayDataset:
             images = f"gzip/emnist-{split}-{part}-images-idx3-ubyte.gz"
             labels = f"gzip/emnist-{split}-{part}-labels-idx1-ubyte.gz"
             x, y = _emnist_read(source, images), _emnist_read(source, labels).astype(np.int64)
-            if x.ndim != 3 or x.shape[1:] != (28, 28):
-                raise DataError(
-                    f"{source}:{images} holds images of shape {x.shape[1:]}, not 28x28; "
-                    "replace it with the official gzip.zip"
-                )
-            check_pair(x, y, f"{source}:{images}", f"{source}:{labels}")
             first = 1 if split == "letters" else 0  # the letters split numbers its classes 1..26
+            x, out[f"y_{part}"] = check_digits(
+                x, y - first, f"{source}:{images}", f"{source}:{labels}", EMNIST_SPLITS[split]
+            )
             out[f"x_{part}"] = np.ascontiguousarray(x.transpose(0, 2, 1))
-            out[f"y_{part}"] = check_labels(y - first, EMNIST_SPLITS[split], f"{source}:{labels}")
         return out
 
     name = f"emnist-{split}"
@@ -94,21 +90,13 @@ def load_emnist(root: Path, split: str) -> ArrayDataset:
     )
 
 
-def _register_emnist(split: str) -> None:
-    @register(
-        f"emnist-{split}",
+for _split, _classes in EMNIST_SPLITS.items():
+    register(
+        f"emnist-{_split}",
         "mlp",
         True,
-        f"EMNIST {split} ({EMNIST_SPLITS[split]} classes), official gzip.zip in <data-dir>/emnist",
-    )
-    def loader(root: Path, seed: int = 0) -> ArrayDataset:
-        return load_emnist(root, split)
-
-    loader.__doc__ = f"EMNIST {split} from the official archive (see :func:`load_emnist`)."
-
-
-for _split in EMNIST_SPLITS:
-    _register_emnist(_split)
+        f"EMNIST {_split} ({_classes} classes), official gzip.zip in <data-dir>/emnist",
+    )(partial(load_emnist, split=_split))
 
 
 # --- CIFAR ------------------------------------------------------------------------------------
@@ -168,15 +156,13 @@ def read_cifar_batch(raw: bytes, where: str, label_keys: tuple[str, ...]) -> dic
 
 
 def _cifar_source(root: Path, folder_name: str, key: str) -> Path:
-    """The extracted folder or the official tarball, downloading it if needed."""
+    """The extracted folder or the official tarball (checked, or downloaded into ``root``)."""
     for base in (root, root / key):
         if (base / folder_name).is_dir():
             return base / folder_name
     tarball = REMOTES[key][0].filename
-    for base in (root, root / key):
-        if (base / tarball).is_file():
-            return download.verify_local(key, base / tarball)
-    return ensure_files(key, root)[0]
+    in_subfolder = (root / key / tarball).is_file() and not (root / tarball).is_file()
+    return ensure_files(key, root / key if in_subfolder else root)[0]
 
 
 def _cifar_members(source: Path, folder_name: str) -> dict[str, bytes]:
@@ -243,7 +229,7 @@ def load_cifar10(root: Path, seed: int = 0) -> ArrayDataset:
     )
 
 
-def load_cifar100(root: Path, coarse: bool) -> ArrayDataset:
+def load_cifar100(root: Path, seed: int = 0, *, coarse: bool) -> ArrayDataset:
     """CIFAR-100 from ``cifar-100-python/`` or ``cifar-100-python.tar.gz``.
 
     The class labels are the 100 fine labels, or the 20 coarse ones with ``coarse``. Both label sets
@@ -270,13 +256,9 @@ def load_cifar100(root: Path, coarse: bool) -> ArrayDataset:
     )
 
 
-@register("cifar100", "cnn", True, "CIFAR-100 (100 fine labels), official pickles")
-def load_cifar100_fine(root: Path, seed: int = 0) -> ArrayDataset:
-    """CIFAR-100 with its 100 fine labels (see :func:`load_cifar100`)."""
-    return load_cifar100(root, coarse=False)
-
-
-@register("cifar100-coarse", "cnn", True, "CIFAR-100 with its 20 coarse labels, official pickles")
-def load_cifar100_coarse(root: Path, seed: int = 0) -> ArrayDataset:
-    """CIFAR-100 with its 20 coarse labels (see :func:`load_cifar100`)."""
-    return load_cifar100(root, coarse=True)
+register("cifar100", "cnn", True, "CIFAR-100 (100 fine labels), official pickles")(
+    partial(load_cifar100, coarse=False)
+)
+register("cifar100-coarse", "cnn", True, "CIFAR-100 with its 20 coarse labels, official pickles")(
+    partial(load_cifar100, coarse=True)
+)

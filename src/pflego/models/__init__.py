@@ -5,7 +5,7 @@ pure-function forward pass of plain bodies, :mod:`~pflego.models.registry` the a
 name; each family of architectures has its own module (``mlp``, ``cnn``, ``lstm``, ``mobilenet``).
 """
 
-from pflego.models.layers import Layer, apply_layers, channels_last, parse_layers
+from pflego.models.layers import Layer, apply_layers, channels_last
 from pflego.models.registry import ARCHITECTURES, architecture, build_model
 from pflego.models.split import SplitModel, head_logits, init_head
 
@@ -19,5 +19,4 @@ __all__ = [
     "channels_last",
     "head_logits",
     "init_head",
-    "parse_layers",
 ]

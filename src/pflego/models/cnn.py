@@ -29,7 +29,9 @@ def cifar_cnn(input_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
 
 def two_conv_body(input_shape: tuple[int, ...], width: int) -> tuple[nn.Module, int]:
     """Conv5x5 32 -> ReLU -> MaxPool 2x2 -> Conv5x5 64 -> ReLU -> MaxPool 2x2 -> Dense ``width``
-    -> ReLU (M = ``width``): the body of FedAvg's CNN, which PGFed and FedEM (LEAF) use."""
+    -> ReLU (M = ``width``): the body of FedAvg's CNN, whose last layer (Dense C) is the head. The
+    PGFed paper's CNN has 512 units (``pgfed-cnn``); FedEM's FEMNIST / EMNIST model (LEAF's CNN)
+    2048 (``femnist-cnn``)."""
     conv = nn.Sequential(
         nn.Conv2d(input_shape[0], 32, 5),
         nn.ReLU(),
@@ -41,18 +43,6 @@ def two_conv_body(input_shape: tuple[int, ...], width: int) -> tuple[nn.Module, 
     )
     flat = conv(torch.zeros(1, *input_shape)).shape[1]
     return nn.Sequential(conv, nn.Linear(flat, width), nn.ReLU()), width
-
-
-def pgfed_cnn(input_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
-    """The PGFed paper's CNN (FedAvg's): the two-conv body with a 512-unit layer (M = 512); the
-    head is the last layer (Dense C)."""
-    return two_conv_body(input_shape, 512)
-
-
-def femnist_cnn(input_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
-    """FedEM's FEMNIST / EMNIST model (LEAF's CNN): the two-conv body with a 2048-unit layer
-    (M = 2048); the output layer is the head."""
-    return two_conv_body(input_shape, 2048)
 
 
 def conv4(input_shape: tuple[int, ...]) -> tuple[nn.Module, int]:

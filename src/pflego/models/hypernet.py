@@ -69,8 +69,10 @@ def generate(
     """theta = h(v; phi) for embeddings ``[..., e]``: the trunk's features through the output
     layer of each target entry, reshaped to ``[..., *shape]``."""
     f = trunk(hyper, prefix, embeddings, hidden_layers)
-    batch = embeddings.shape[:-1]
-    return {k: output(hyper, prefix, k, f).reshape(*batch, *shape) for k, shape in shapes.items()}
+    out = {
+        k: f @ hyper[f"{prefix}out.{k}.weight"].T + hyper[f"{prefix}out.{k}.bias"] for k in shapes
+    }
+    return {k: out[k].reshape(*embeddings.shape[:-1], *shape) for k, shape in shapes.items()}
 
 
 def trunk(hyper: Params, prefix: str, embeddings: Tensor, hidden_layers: int) -> Tensor:
@@ -80,11 +82,6 @@ def trunk(hyper: Params, prefix: str, embeddings: Tensor, hidden_layers: int) ->
         w, b = hyper[f"{prefix}hidden.{j}.weight"], hyper[f"{prefix}hidden.{j}.bias"]
         f = torch.relu(f) @ w.T + b
     return f
-
-
-def output(hyper: Params, prefix: str, name: str, features: Tensor) -> Tensor:
-    """The output layer ``name`` applied to features ``[..., h]``: ``[..., units]``."""
-    return features @ hyper[f"{prefix}out.{name}.weight"].T + hyper[f"{prefix}out.{name}.bias"]
 
 
 def momentum_step(

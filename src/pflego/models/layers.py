@@ -70,13 +70,8 @@ BatchStats = tuple[Tensor, Tensor, Tensor]
 
 def parse_layers(body: nn.Module) -> tuple[Layer, ...] | None:
     """``body`` (nested ``nn.Sequential`` of plain layers) in forward order, else ``None``."""
-    modules = (
-        [("", body)]
-        if type(body) in LAYER_KINDS
-        else list(body.named_modules(remove_duplicate=False))
-    )
     layers = []
-    for name, module in modules:
+    for name, module in body.named_modules(remove_duplicate=False):  # a lone layer: ("", body)
         if type(module) is nn.Sequential:
             continue
         kind = LAYER_KINDS.get(type(module))

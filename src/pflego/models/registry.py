@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from functools import partial
 
 from torch import nn
 
 from pflego.errors import ConfigError
-from pflego.models.cnn import cifar_cnn, conv4, femnist_cnn, pgfed_cnn
+from pflego.models.cnn import cifar_cnn, conv4, two_conv_body
 from pflego.models.lstm import char_lstm
 from pflego.models.mlp import linear, mlp, mlp_bn
 from pflego.models.mobilenet import mobilenet_v2
@@ -26,10 +27,10 @@ ARCHITECTURES: dict[str, Builder] = {
     "mlp-bn": mlp_bn,
     "linear": linear,
     "cnn": cifar_cnn,
-    "pgfed-cnn": pgfed_cnn,
+    "pgfed-cnn": partial(two_conv_body, width=512),
     "conv4": conv4,
     "lstm": char_lstm,
-    "femnist-cnn": femnist_cnn,
+    "femnist-cnn": partial(two_conv_body, width=2048),
     "mobilenet-v2": mobilenet_v2,
 }
 

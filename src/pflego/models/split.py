@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from weakref import WeakKeyDictionary
+from functools import cached_property
 
 import torch
 from torch import Tensor, nn
@@ -52,12 +52,10 @@ class SplitModel:
                 f"body.{k}": v.detach().clone().to(dtype) for k, v in self.body.named_parameters()
             }
 
-    @property
+    @cached_property
     def layers(self) -> tuple[Layer, ...] | None:
         """The body as a sequence of plain layers, or ``None`` if it has other modules."""
-        if self.body not in _layer_cache:
-            _layer_cache[self.body] = parse_layers(self.body)
-        return _layer_cache[self.body]
+        return parse_layers(self.body)
 
     def features(
         self,
@@ -90,7 +88,6 @@ class SplitModel:
 
 
 _module_lock = threading.RLock()
-_layer_cache: WeakKeyDictionary[nn.Module, tuple[Layer, ...] | None] = WeakKeyDictionary()
 
 
 def head_logits(params: Params, features: Tensor) -> Tensor:
@@ -118,13 +115,10 @@ def init_head(
             "head.weight": torch.zeros(shape_w, dtype=dtype),
             "head.bias": torch.zeros(shape_b, dtype=dtype),
         }
-    if kind == "uniform":
-        low, high = 0.0, 1.0
-    elif kind == "linear":
-        high = 1 / math.sqrt(feature_dim)
-        low = -high
-    else:
+    if kind not in HEAD_INITS:
         raise ConfigError(f"unknown head_init {kind!r}; choose one of {', '.join(HEAD_INITS)}")
+    bound = 1 / math.sqrt(feature_dim)
+    low, high = (0.0, 1.0) if kind == "uniform" else (-bound, bound)
     width = high - low
     weight = torch.rand(shape_w, generator=generator, dtype=torch.float64) * width + low
     bias = torch.rand(shape_b, generator=generator, dtype=torch.float64) * width + low
