@@ -330,17 +330,18 @@ def step_inputs(
 
 
 def flat_views(
-    plan: tuple[Layer, ...], order: list[str], params: Params
+    plan: tuple[Layer, ...], order: list[str], params: Params, fill: bool = True
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``params[order]`` in the kernel's layout as one flat vector, and each as a view of it
-    (each tensor copied once, straight into its place)."""
+    (each tensor copied once, straight into its place; without ``fill``, left uninitialized)."""
     laid_out = [_kernel_layout(plan, k, params[k]) for k in order]
     first = laid_out[0]
     flat = first.new_empty(sum(v.numel() for v in laid_out))
     views, offset = {}, 0
     for k, value in zip(order, laid_out, strict=True):
         views[k] = flat[offset : offset + value.numel()].view(value.shape)
-        views[k].copy_(value)
+        if fill:
+            views[k].copy_(value)
         offset += value.numel()
     return flat, views
 

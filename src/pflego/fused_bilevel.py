@@ -46,7 +46,7 @@ FORM = FusedForm(cross_entropy=True)
 
 def fused_program(
     loss: object,
-    points: Sequence[Params],
+    points: Sequence[Params | None],
     data: ClientData,
     steps: Sequence[Step],
     optimizer: Optimizer | None = None,
@@ -54,7 +54,8 @@ def fused_program(
 ) -> Outcome | None:
     """The steps on the points, or ``None`` when they do not fuse.
 
-    Every point is keyed like the first, every key a trained parameter of ``loss``'s model.
+    Every point is keyed like the first (or scratch, ``None``), every key a trained parameter of
+    ``loss``'s model.
     ``optimizer`` (``None``: the steps' own ``shrink``) must be plain :class:`~pflego.optim.SGD`,
     whose state ``opt_state`` is empty.
 
@@ -70,7 +71,7 @@ def fused_program(
     values = data.batch_mask.new_zeros(len(steps))
     norms = values.clone()
     if not kept:
-        points = [{k: v.clone() for k, v in p.items()} for p in points]
+        points = [None if p is None else {k: v.clone() for k, v in p.items()} for p in points]
         return Outcome(points, values, values.new_tensor(runs), norms, {})
     points, kept_values, recorded = _run(plan, loss, points, data, kept)
     where = [j for j, on in enumerate(runs) if on]
@@ -82,15 +83,18 @@ def fused_program(
 
 
 def sgd_steps(steps: Sequence[Step], optimizer: Optimizer | None) -> list[Step] | None:
-    """The steps as plain SGD runs them in the kernel: the optimizer's weight decay and a pull on
-    the updated point itself folded into ``shrink``, the other pulls added after the update
-    (they read points the update leaves alone); ``None`` for another optimizer."""
+    """The steps as plain SGD runs them in the kernel: the gradient's scale folded into ``lr``,
+    the optimizer's weight decay and a pull on the updated point itself into ``shrink``, the
+    other pulls added after the update (they read points the update leaves alone); ``None`` for
+    another optimizer."""
     if optimizer is not None and type(optimizer) is not SGD:
         return None
     decay = 0.0 if optimizer is None else optimizer.weight_decay
     return [
         replace(
             s,
+            lr=s.lr * s.scale,
+            scale=1.0,
             shrink=s.shrink - s.lr * (decay + sum(c for k, c in s.pulls if k == s.into)),
             after=tuple((s.into, k, -s.lr * c) for k, c in s.pulls if k != s.into) + s.after,
             pulls=(),
@@ -100,7 +104,7 @@ def sgd_steps(steps: Sequence[Step], optimizer: Optimizer | None) -> list[Step] 
 
 
 def program_plan(
-    loss: object, points: Sequence[Params], data: ClientData, steps: Sequence[Step] | None
+    loss: object, points: Sequence[Params | None], data: ClientData, steps: Sequence[Step] | None
 ) -> tuple[Layer, ...] | None:
     """The layers the kernel runs the program on, or ``None`` where it does not fuse: no
     steps (another optimizer than SGD), another loss than the plain cross-entropy, other layers, points keyed unlike the first, or tensors
@@ -113,6 +117,7 @@ def program_plan(
     ):
         return None
     plan = plain_plan(loss, FORM, dict(points[0]), data)
+    points = [p for p in points if p is not None]
     if plan is None or any(set(p) != set(points[0]) for p in points):
         return None
     weights = [w for s in steps for w in (s.lr, s.shrink, *(m[-1] for m in s.mixes + s.after))]
@@ -125,10 +130,10 @@ def program_plan(
 def _run(
     plan: tuple[Layer, ...],
     loss: Objective,
-    points: Sequence[Params],
+    points: Sequence[Params | None],
     data: ClientData,
     steps: Sequence[Step],
-) -> tuple[list[Params], Tensor, list[Tensor]]:
+) -> tuple[list[Params | None], Tensor, list[Tensor]]:
     """The kernel's call on the steps that run: the points after them, each step's
     cross-entropy before its update and the recorded squared norms."""
     rows = sorted({s.row for s in steps})
@@ -136,7 +141,11 @@ def _run(
     index = torch.tensor(rows, dtype=torch.long)
     feed = step_inputs(plan, loss, FORM, data, data.batches[index], data.batch_mask[index])
     order = [k for layer in plan for k in layer_keys(layer, points[0])]
-    flats, views = zip(*(flat_views(plan, order, p) for p in points), strict=True)
+    # a scratch point is written before it is read: laid out like the first, left unfilled
+    laid_out = [
+        flat_views(plan, order, points[0] if p is None else p, p is not None) for p in points
+    ]
+    flats, views = zip(*laid_out, strict=True)
     layers = [layer_arguments(plan, {**loss.fixed, **v}, set(points[0])) for v in views]
     with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
         log_probs, norms = compiled(_program)(
@@ -152,11 +161,11 @@ def _run(
     targets = feed.target[[position[s.row] for s in steps]]
     values = -(torch.stack(log_probs) * targets).sum((1, 2))
     written = {s.into for s in steps} | {m[0] for s in steps for m in s.mixes + s.after}
-    points = [
-        unflatten(plan, flats[p], views[p]) if p in written else dict(point)
-        for p, point in enumerate(points)
-    ]
-    return points, values, norms
+    trained = [None if point is None else dict(point) for point in points]
+    for p in written:
+        if trained[p] is not None:  # a scratch point is never read back
+            trained[p] = unflatten(plan, flats[p], views[p])
+    return trained, values, norms
 
 
 def step_arguments(steps: Sequence[Step], position: dict[int, int]) -> list[list]:
