@@ -137,6 +137,25 @@ def apply_mixes(points: list[Params], mixes: Sequence[Mix], on: Tensor) -> None:
         points[dst] = new if points[dst] is None else tree.where(on, new, points[dst])
 
 
+def step_gradient(
+    loss: Callable[[Params, Tensor, Tensor, Tensor], Tensor],
+    points: Sequence[Params],
+    data: ClientData,
+    step: Step,
+) -> tuple[Params, Tensor]:
+    """The step's gradient (scaled, its pulls added) at its point on its minibatch, and the loss
+    there."""
+    whole_set = data.batches.shape[-1] == data.x.shape[0]  # a row of every sample, as is
+    idx, mask = data.batches[step.row], data.batch_mask[step.row]
+    x, y = (data.x, data.y) if whole_set else (data.x[idx], data.y[idx])
+    g, value = grad_and_value(loss)(points[step.at], x, y, mask)
+    if isinstance(step.scale, Tensor) or step.scale != 1:
+        g = tree.scale(g, step.scale)
+    for k, c in step.pulls:
+        g = tree.axpy(c, points[k], g)
+    return g, value
+
+
 def autograd_program(
     loss: Callable[[Params, Tensor, Tensor, Tensor], Tensor],
     points: Sequence[Params | None],
@@ -153,17 +172,10 @@ def autograd_program(
     points = [None if p is None else dict(p) for p in points]
     states = {} if opt_state is None or not steps else {steps[0].into: opt_state}
     runs = active_steps(data, steps)
-    whole_set = data.batches.shape[-1] == data.x.shape[0]  # a row of every sample, as is
     values, norms = [], []
     for step, on in zip(steps, runs, strict=True):
         apply_mixes(points, step.mixes, on)
-        idx, mask = data.batches[step.row], data.batch_mask[step.row]
-        x, y = (data.x, data.y) if whole_set else (data.x[idx], data.y[idx])
-        g, value = grad_and_value(loss)(points[step.at], x, y, mask)
-        if isinstance(step.scale, Tensor) or step.scale != 1:
-            g = tree.scale(g, step.scale)
-        for k, c in step.pulls:
-            g = tree.axpy(c, points[k], g)
+        g, value = step_gradient(loss, points, data, step)
         old = points[step.into]
         if optimizer is None:
             new = {k: step.shrink * v - step.lr * g[k] for k, v in old.items()}
