@@ -49,16 +49,6 @@ from pflego.types import ClientData
 HEAD = (Layer("linear", "head"),)
 
 
-def layer_plan(loss: Objective) -> tuple[Layer, ...] | None:
-    """The model's plain layers in forward order with its head (unless the loss has no
-    cross-entropy), or ``None`` if it has others."""
-    head = HEAD if loss.cross_entropy else ()
-    if loss.model is None:
-        return head
-    body = loss.model.layers
-    return None if body is None else body + head
-
-
 def all_plain(tensors: Sequence[Tensor]) -> bool:
     """Tensors that are neither tracked by autograd nor wrapped by a ``torch.func`` transform."""
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
@@ -113,13 +103,14 @@ def kernel_form(loss: object, prox: Proximal | None) -> FusedForm | None:
 def plain_plan(
     loss: Objective, form: FusedForm, params: Params, data: ClientData
 ) -> tuple[Layer, ...] | None:
-    """The layers fused steps run ``loss`` (with its terms' fused ``form``, its regularizers
-    aside) on, when every parameter is
-    a plain layer's, untracked by autograd and outside ``torch.func`` transforms, and ``data``'s
-    inputs reach each layer in its shape; else ``None``."""
-    plan = layer_plan(loss)
-    if plan is None:
+    """The layers the kernel runs ``loss`` on (the model's plain layers in forward order, then
+    its head unless the loss has no cross-entropy), when every parameter is a plain layer's,
+    untracked by autograd and outside ``torch.func`` transforms (``form``'s tensors too, its
+    regularizers aside), and ``data``'s inputs reach each layer in its shape; else ``None``."""
+    body = () if loss.model is None else loss.model.layers
+    if body is None:
         return None
+    plan = body + (HEAD if loss.cross_entropy else ())
     full = {**loss.fixed, **params}
     names = {
         name
@@ -254,13 +245,14 @@ def layer_arguments(
 
 
 def kernel_feed(feed: StepInputs, label_mask: Tensor) -> dict[str, object]:
-    """The kernel's per-step inputs and label arguments (see :func:`_program`), its alignment
-    term's aside."""
+    """The kernel's per-minibatch inputs and label arguments (see :func:`_program`)."""
     mask = label_mask > 0
     return {
         "inputs": feed.inputs,
         "negative_target": list((-feed.target).unbind(0)),
         "weight_rows": list(feed.weights.unsqueeze(1).unbind(0)),
+        "centroid_targets": list(feed.centroid_targets.unbind(0)),
+        "centroid_rows": list(feed.centroid_rows.unbind(0)),
         "ones": feed.weights.new_ones(feed.weights.shape[1]),
         "label_mask": mask.unsqueeze(1),
         "masked": not bool(mask.all()),
@@ -411,8 +403,6 @@ def run_kernel(
             [*flats, pull] if pull.numel() else list(flats),
             *arguments,
             **kernel_feed(feed, loss.label_mask),
-            centroid_targets=list(feed.centroid_targets.unbind(0)),
-            centroid_rows=list(feed.centroid_rows.unbind(0)),
             anchor=anchor,
             linear=linear,
             lowest=lowest_trained(plan, points[0]),
