@@ -171,11 +171,14 @@ def _sgd(
     real = [row for row, on in zip(range(len(data.batches))[steps], active, strict=True) if on]
     if not real:
         return {k: v.clone() for k, v in params.items()}, torch.zeros(())
-    order = [k for layer in plan for k in layer_keys(layer, params)]
-    pulls = _pulls(plan, order, form, next(iter(params.values())), lr, log_proximal)
+    pulls = None
+    if form.anchor is not None or form.linear is not None:
+        order = [k for layer in plan for k in layer_keys(layer, params)]
+        pulls = _pulls(plan, order, form, next(iter(params.values())), lr, log_proximal)
     strength = float(form.strength) if form.anchor is not None else 0.0
     shrink = 1 - lr * (strength + weight_decay)
-    arguments = _sgd_arguments(len(real), lr, shrink, pulls.pull.numel() > 0)
+    pull = pulls is not None and pulls.pull.numel() > 0
+    arguments = _sgd_arguments(len(real), lr, shrink, pull)
     points, values, _ = run_kernel(plan, loss, form, [params], data, real, arguments, {0}, pulls)
     return points[0], values.sum() / len(values)
 
