@@ -1,11 +1,8 @@
-"""Step programs (:mod:`pflego.program`) run by the fused kernel of :mod:`pflego.fused`: gradients
-taken at one point update another, without autograd.
+"""Step programs (:mod:`pflego.program`: APFL's, Per-FedAvg's, pFedMe's, PGFed's local steps)
+run by the fused kernel of :mod:`pflego.fused`: gradients taken at one point update another,
+without autograd.
 
-A plain SGD step takes the gradient where it updates. APFL's step takes two gradients on the same
-minibatch, at the global copy w (updating w) and at the mixture ``alpha v + (1 - alpha) w``
-(updating v); Per-FedAvg's meta-step takes a gradient at w, steps to w', and updates w with the
-gradient at w'; pFedMe's and PGFed's steps add closed-form terms and sums of points.
-:func:`fused_program` runs such a program's :class:`~pflego.program.Step` (for plain SGD, with or
+:func:`fused_program` runs a program's :class:`~pflego.program.Step` (for plain SGD, with or
 without weight decay) on several points held as flat vectors in one TorchScript call. The steps
 whose rows are empty are left out before the call. The loss must be an
 :class:`~pflego.loss.Objective` of the cross-entropy alone; anything else returns ``None``, and
