@@ -260,3 +260,43 @@ def test_sums_and_mixes_after_the_update_run_fused_as_by_autograd_and_by_hand(na
                 for k in expected:
                     torch.testing.assert_close(got[k], expected[k], atol=1e-10, rtol=1e-10)
     assert not torch.equal(moved["head.weight"], anchor["head.weight"])
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv"])
+def test_a_scaled_gradient_at_a_scratch_point_updates_each_point_with_its_own_state(name):
+    """APFL's step: w at w, and v along ``a grad f(v-bar)`` at the scratch mixture ``v-bar = w +
+    a (v - w)`` (``None``, returned as ``None``), with SGD (weight decay) and momentum, whose
+    buffers are w's and v's own: both interpreters as a step-by-step loop; the kernel runs SGD."""
+    model, params, x, y = setting(name)
+    data = client(x, y, 4, 2.0)
+    loss = Objective(model, data.label_mask)
+    v_start = points_for(params)[1]
+    rows, lr, decay, a = data.batches.shape[0], 0.3, 0.1, torch.tensor(0.4, dtype=torch.float64)
+    steps = []
+    for r in range(rows):
+        steps += [Step(0, 0, lr, 1.0, r, ((2, 0, 1, a),)), Step(2, 1, lr, 1.0, r, scale=a)]
+    for optimizer in (SGD(decay), Momentum(0.9, decay)):
+        w, v, buffers = dict(params), dict(v_start), [None, None]
+        for r in range(rows):
+            if data.batch_mask[r].sum() == 0:
+                continue
+            idx, mask = data.batches[r], data.batch_mask[r]
+            mixed = {k: w[k] + a * (v[k] - w[k]) for k in w}
+            moved = []
+            for p, (point, at, scale) in enumerate(((w, w, 1.0), (v, mixed, a))):
+                g = torch.func.grad(loss)(at, x[idx], y[idx], mask)
+                g = {k: scale * t + decay * point[k] for k, t in g.items()}
+                if isinstance(optimizer, Momentum):
+                    old = buffers[p]
+                    buffers[p] = g if old is None else {k: 0.9 * t + g[k] for k, t in old.items()}
+                    g = buffers[p]
+                moved.append({k: t - lr * g[k] for k, t in point.items()})
+            w, v = moved
+        for fused in (False, True):
+            with fused_steps(fused) as counts:
+                out = run_program(loss, [params, v_start, None], data, steps, optimizer)
+            assert counts.fused == int(fused and isinstance(optimizer, SGD))
+            assert out.points[2] is None
+            for got, expected in zip(out.points[:2], (w, v), strict=True):
+                for k in expected:
+                    torch.testing.assert_close(got[k], expected[k], atol=1e-10, rtol=1e-10)

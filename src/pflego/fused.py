@@ -1,4 +1,4 @@
-"""Fused SGD steps: local training on a declared loss without autograd.
+"""Fused steps: local training on a declared loss without autograd, by one TorchScript kernel.
 
 For a :class:`~pflego.loss.Objective` whose terms all have fused forms and whose model is a sequence of ``Linear``, ``Conv2d``,
 ``ReLU``, ``MaxPool2d`` and ``Flatten`` layers with a linear head, and for plain SGD (optionally
@@ -18,14 +18,20 @@ max-pooling runs an order of magnitude faster on them than on ``NCHW`` (the whol
 the PGFed CNN: ``benchmarks/cnn_speed.py``). The result equals ``train_steps``'s autograd path up
 to floating-point rounding (the tests check float64 runs to 1e-10).
 
+The kernel, :func:`_program`, runs the steps of a step program (:mod:`pflego.program`, whose
+gradients may be taken at one point and update another; :mod:`pflego.fused_bilevel`) on points
+held as flat vectors, all in one call, so a client's steps cost no Python per step; plain SGD
+steps (:func:`fused_sgd_steps`) are a program of one point.
+
 A step whose batch is empty is skipped, as the autograd path's masked update does. Anything else
 (another optimizer, another layer, an input that requires grad or runs under a ``torch.func``
-transform) returns ``None`` from :func:`fused_sgd_steps`, and the caller uses autograd.
+transform) returns ``None``, and the caller uses autograd.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -36,20 +42,11 @@ from pflego.fused_passes import backward_pass, compiled, forward_pass
 from pflego.loss import FusedForm, Objective
 from pflego.models import Layer, channels_last
 from pflego.optim import SGD, Optimizer, Proximal
+from pflego.program import Mix, Step
 from pflego.tree import Params
 from pflego.types import ClientData
 
 HEAD = (Layer("linear", "head"),)
-
-
-def layer_plan(loss: Objective) -> tuple[Layer, ...] | None:
-    """The model's plain layers in forward order with its head (unless the loss has no
-    cross-entropy), or ``None`` if it has others."""
-    head = HEAD if loss.cross_entropy else ()
-    if loss.model is None:
-        return head
-    body = loss.model.layers
-    return None if body is None else body + head
 
 
 def all_plain(tensors: Sequence[Tensor]) -> bool:
@@ -86,7 +83,7 @@ def fused_sgd_steps(
         return None
     if not all_plain([v for t in regularizers for v in t.values()]):
         return None
-    return _run(plan, loss, form, params, data, sgd.weight_decay, float(lr), steps, prox is None)
+    return _sgd(plan, loss, form, params, data, sgd.weight_decay, float(lr), steps, prox is None)
 
 
 def kernel_form(loss: object, prox: Proximal | None) -> FusedForm | None:
@@ -106,13 +103,14 @@ def kernel_form(loss: object, prox: Proximal | None) -> FusedForm | None:
 def plain_plan(
     loss: Objective, form: FusedForm, params: Params, data: ClientData
 ) -> tuple[Layer, ...] | None:
-    """The layers fused steps run ``loss`` (with its terms' fused ``form``, its regularizers
-    aside) on, when every parameter is
-    a plain layer's, untracked by autograd and outside ``torch.func`` transforms, and ``data``'s
-    inputs reach each layer in its shape; else ``None``."""
-    plan = layer_plan(loss)
-    if plan is None:
+    """The layers the kernel runs ``loss`` on (the model's plain layers in forward order, then
+    its head unless the loss has no cross-entropy), when every parameter is a plain layer's,
+    untracked by autograd and outside ``torch.func`` transforms (``form``'s tensors too, its
+    regularizers aside), and ``data``'s inputs reach each layer in its shape; else ``None``."""
+    body = () if loss.model is None else loss.model.layers
+    if body is None:
         return None
+    plan = body + (HEAD if loss.cross_entropy else ())
     full = {**loss.fixed, **params}
     names = {
         name
@@ -156,7 +154,7 @@ def _fits(plan: tuple[Layer, ...], sample_shape: torch.Size) -> bool:
     return True
 
 
-def _run(
+def _sgd(
     plan: tuple[Layer, ...],
     loss: Objective,
     form: FusedForm,
@@ -167,46 +165,36 @@ def _run(
     steps: slice,
     log_proximal: bool,
 ) -> tuple[Params, Tensor]:
-    """The steps: the trained parameters and the mean loss over the real steps."""
-    batches, batch_mask = data.batches[steps], data.batch_mask[steps]
-    real = torch.nonzero(batch_mask.sum(1) > 0).flatten()  # empty steps change nothing
-    if len(real) == 0:
+    """The steps as a program of one point, the regularizers' constant pull added after each
+    update: the trained parameters and the mean loss over the real steps."""
+    active = (data.batch_mask[steps].sum(1) > 0).tolist()  # empty steps change nothing
+    real = [row for row, on in zip(range(len(data.batches))[steps], active, strict=True) if on]
+    if not real:
         return {k: v.clone() for k, v in params.items()}, torch.zeros(())
-    feed = step_inputs(plan, loss, form, data, batches[real], batch_mask[real])
-    # The trained parameters, in the kernel's layout, are views of one flat vector, so that the
-    # regularizers cost one operation per step however many tensors the model has.
-    order = [k for layer in plan for k in layer_keys(layer, params)]
-    flat, views = flat_views(plan, order, params)
-    held = {k: _kernel_layout(plan, k, v).contiguous() for k, v in loss.fixed.items()}
-    pulls = _pulls(plan, order, form, flat, lr, log_proximal)
+    pulls = None
+    if form.anchor is not None or form.linear is not None:
+        order = [k for layer in plan for k in layer_keys(layer, params)]
+        pulls = _pulls(plan, order, form, next(iter(params.values())), lr, log_proximal)
     strength = float(form.strength) if form.anchor is not None else 0.0
-    with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
-        log_probs, distances, dots, alignments = compiled(_steps)(
-            form.cross_entropy,
-            *layer_arguments(plan, {**held, **views}, set(views)),
-            flat,
-            *pulls,
-            **kernel_feed(feed, loss.label_mask),
-            centroid_targets=list(feed.centroid_targets.unbind(0)),
-            centroid_rows=list(feed.centroid_rows.unbind(0)),
-            lr=lr,
-            shrink=1 - lr * (strength + weight_decay),
-            lowest=lowest_trained(plan, params),
-        )
-    values = torch.zeros(len(real), dtype=feed.target.dtype)
-    if form.cross_entropy:
-        values = -(torch.stack(log_probs) * feed.target).sum((1, 2))  # each step's cross-entropy
-    if distances:
-        values = values + strength / 2 * torch.stack(distances)
-    if dots and log_proximal:
-        values = values - torch.stack(dots)
-    if alignments:
-        values = values + torch.stack(alignments) / 2  # each the sum of 2 w_s ||gap_s||^2
-    return unflatten(plan, flat, views), values.sum() / len(values)
+    shrink = 1 - lr * (strength + weight_decay)
+    pull = pulls is not None and pulls.pull.numel() > 0
+    arguments = _sgd_arguments(len(real), lr, shrink, pull)
+    points, values, _ = run_kernel(plan, loss, form, [params], data, real, arguments, {0}, pulls)
+    return points[0], values.sum() / len(values)
+
+
+@lru_cache(maxsize=64)
+def _sgd_arguments(count: int, lr: float, shrink: float, pull: bool) -> StepArguments:
+    """The kernel's arguments of ``count`` SGD steps of point 0, one per gathered minibatch, each
+    followed by the pull (the kernel's flat 1) when there is one: made once per setting, since
+    a run's calls repeat them."""
+    after = ((0, 1, 1.0),) if pull else ()
+    steps = [Step(0, 0, lr, shrink, j, after=after) for j in range(count)]
+    return step_arguments(steps, {j: j for j in range(count)})
 
 
 class Pulls(NamedTuple):
-    """The kernel's regularizer arguments (see :func:`_steps`), each empty when absent."""
+    """The kernel's regularizer arguments (see :func:`_program`), each empty when absent."""
 
     anchor: Tensor
     linear: Tensor
@@ -217,14 +205,14 @@ def _pulls(
     plan: tuple[Layer, ...],
     order: list[str],
     form: FusedForm,
-    flat: Tensor,
+    like: Tensor,
     lr: float,
     log_proximal: bool,
 ) -> Pulls:
-    """The regularizers laid out like ``flat``: the anchor (for the logged distance), the
-    linear term's coefficients (for the logged dot product) and the pull ``lr (strength anchor
-    + linear)`` each step adds."""
-    empty = flat.new_empty(0)
+    """The regularizers laid out like the flat parameters (of ``like``'s dtype): the anchor (for
+    the logged distance), the linear term's coefficients (for the logged dot product) and the
+    pull ``lr (strength anchor + linear)`` each step adds."""
+    empty = like.new_empty(0)
 
     def flattened(table: Params | None) -> Tensor:
         if table is None:
@@ -260,13 +248,14 @@ def layer_arguments(
 
 
 def kernel_feed(feed: StepInputs, label_mask: Tensor) -> dict[str, object]:
-    """The kernel's per-step inputs and label arguments (see :func:`_steps`), its alignment
-    term's aside."""
+    """The kernel's per-minibatch inputs and label arguments (see :func:`_program`)."""
     mask = label_mask > 0
     return {
         "inputs": feed.inputs,
         "negative_target": list((-feed.target).unbind(0)),
         "weight_rows": list(feed.weights.unsqueeze(1).unbind(0)),
+        "centroid_targets": list(feed.centroid_targets.unbind(0)),
+        "centroid_rows": list(feed.centroid_rows.unbind(0)),
         "ones": feed.weights.new_ones(feed.weights.shape[1]),
         "label_mask": mask.unsqueeze(1),
         "masked": not bool(mask.all()),
@@ -280,7 +269,7 @@ def lowest_trained(plan: tuple[Layer, ...], params: Params) -> int:
 
 
 class StepInputs(NamedTuple):
-    """What the kernel reads of each step's minibatch (see :func:`_steps`)."""
+    """What the kernel reads of each step's minibatch (see :func:`_program`)."""
 
     inputs: list[Tensor]
     target: Tensor
@@ -330,17 +319,18 @@ def step_inputs(
 
 
 def flat_views(
-    plan: tuple[Layer, ...], order: list[str], params: Params
+    plan: tuple[Layer, ...], order: list[str], params: Params, fill: bool = True
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``params[order]`` in the kernel's layout as one flat vector, and each as a view of it
-    (each tensor copied once, straight into its place)."""
+    (each tensor copied once, straight into its place; without ``fill``, left uninitialized)."""
     laid_out = [_kernel_layout(plan, k, params[k]) for k in order]
     first = laid_out[0]
     flat = first.new_empty(sum(v.numel() for v in laid_out))
     views, offset = {}, 0
     for k, value in zip(order, laid_out, strict=True):
         views[k] = flat[offset : offset + value.numel()].view(value.shape)
-        views[k].copy_(value)
+        if fill:
+            views[k].copy_(value)
         offset += value.numel()
     return flat, views
 
@@ -379,76 +369,218 @@ def layer_settings(layer: Layer) -> list[int]:
     return []
 
 
-def _steps(
+def run_kernel(
+    plan: tuple[Layer, ...],
+    loss: Objective,
+    form: FusedForm,
+    points: Sequence[Params | None],
+    data: ClientData,
+    rows: list[int],
+    arguments: StepArguments,
+    written: set[int],
+    pulls: Pulls | None = None,
+) -> tuple[list[Params | None], Tensor, list[Tensor]]:
+    """The kernel's call on the steps that run, on the schedule's ``rows`` (of ``loss``'s terms'
+    fused ``form``, with the regularizers ``pulls``, whose pull is the kernel's last flat): the
+    points after them (the ``written`` ones new), each step's loss before its update and the
+    recorded squared norms."""
+    index = torch.tensor(rows, dtype=torch.long)
+    feed = step_inputs(plan, loss, form, data, data.batches[index], data.batch_mask[index])
+    order = [k for layer in plan for k in layer_keys(layer, points[0])]
+    # a scratch point is written before it is read: laid out like the first, left unfilled
+    laid_out = [
+        flat_views(plan, order, points[0] if p is None else p, p is not None) for p in points
+    ]
+    flats, views = zip(*laid_out, strict=True)
+    empty = flats[0].new_empty(0)
+    anchor, linear, pull = (empty, empty, empty) if pulls is None else pulls
+    held = {k: _kernel_layout(plan, k, v).contiguous() for k, v in loss.fixed.items()}
+    layers = [layer_arguments(plan, {**held, **v}, set(points[0])) for v in views]
+    with torch.jit.optimized_execution(False):  # the same plain interpreter for every call
+        log_probs, norms, *logged = compiled(_program)(
+            form.cross_entropy,
+            *layers[0][:2],
+            [arguments[2] for arguments in layers],
+            [arguments[3] for arguments in layers],
+            layers[0][4],
+            [*flats, pull] if pull.numel() else list(flats),
+            *arguments,
+            **kernel_feed(feed, loss.label_mask),
+            anchor=anchor,
+            linear=linear,
+            lowest=lowest_trained(plan, points[0]),
+        )
+    targets = feed.target  # each step's, where steps and minibatches differ
+    if arguments.feed != list(range(len(rows))):
+        targets = targets.index_select(0, torch.tensor(arguments.feed))
+    values = _values(form, targets, log_probs, *logged)
+    trained = [None if point is None else dict(point) for point in points]
+    for p in written:
+        if trained[p] is not None:  # a scratch point is never read back
+            trained[p] = unflatten(plan, flats[p], views[p])
+    return trained, values, norms
+
+
+def _values(
+    form: FusedForm,
+    targets: Tensor,
+    log_probs: list[Tensor],
+    distances: list[Tensor],
+    dots: list[Tensor],
+    alignments: list[Tensor],
+) -> Tensor:
+    """Each step's loss from the kernel's logged parts: the cross-entropy (``targets``:
+    ``onehot(y)^T * mask / n`` ``[S, K, B]``), ``strength / 2`` times the squared distance to the
+    anchor, minus the linear term's dot product, half the alignment's sum."""
+    if form.cross_entropy:
+        values = -(torch.stack(log_probs) * targets).sum((1, 2))
+    else:
+        values = targets.new_zeros(len(targets))
+    if distances:
+        values = values + float(form.strength) / 2 * torch.stack(distances)
+    if dots:
+        values = values - torch.stack(dots)
+    if alignments:
+        values = values + torch.stack(alignments) / 2  # each the sum of 2 w_s ||gap_s||^2
+    return values
+
+
+class StepArguments(NamedTuple):
+    """The kernel's per-step arguments (see :func:`_program`): the mixes before and after the
+    update (``[dst, start, end]`` each, ``end`` -1 for a sum, and weights), then each step's
+    ``at``, ``into``, step size, shrinkage, row of the gathered minibatches and ``record``."""
+
+    mixes: list[list[list[int]]]
+    mix_weights: list[list[float]]
+    after: list[list[list[int]]]
+    after_weights: list[list[float]]
+    at: list[int]
+    into: list[int]
+    lrs: list[float]
+    shrinks: list[float]
+    feed: list[int]
+    record: list[bool]
+
+
+def step_arguments(steps: Sequence[Step], position: dict[int, int]) -> StepArguments:
+    """The kernel's arguments of ``steps``, whose rows are the gathered minibatches
+    ``position``."""
+
+    def encoded(mixes: tuple[Mix, ...]) -> tuple[list[list[int]], list[float]]:
+        ends = [m[:3] if len(m) == 4 else (m[0], m[1], -1) for m in mixes]
+        return [list(e) for e in ends], [float(m[-1]) for m in mixes]
+
+    before, after = zip(*(encoded(s.mixes) for s in steps), strict=True)
+    later, later_weights = zip(*(encoded(s.after) for s in steps), strict=True)
+    return StepArguments(
+        list(before),
+        list(after),
+        list(later),
+        list(later_weights),
+        [s.at for s in steps],
+        [s.into for s in steps],
+        [float(s.lr) for s in steps],
+        [float(s.shrink) for s in steps],
+        [position[s.row] for s in steps],
+        [s.record for s in steps],
+    )
+
+
+def _program(
     has_head: bool,
     kinds: list[str],
     settings: list[list[int]],
-    weights: list[Tensor],
-    biases: list[Tensor],
+    weights: list[list[Tensor]],
+    biases: list[list[Tensor]],
     flags: list[list[bool]],
-    flat: Tensor,
-    anchor: Tensor,
-    linear: Tensor,
-    pull: Tensor,
+    flats: list[Tensor],
+    mixes: list[list[list[int]]],
+    mix_weights: list[list[float]],
+    after: list[list[list[int]]],
+    after_weights: list[list[float]],
+    at: list[int],
+    into: list[int],
+    lrs: list[float],
+    shrinks: list[float],
+    feed: list[int],
+    record: list[bool],
     inputs: list[Tensor],
     negative_target: list[Tensor],
     weight_rows: list[Tensor],
     centroid_targets: list[Tensor],
     centroid_rows: list[Tensor],
+    anchor: Tensor,
+    linear: Tensor,
     ones: Tensor,
     label_mask: Tensor,
     masked: bool,
     lowest_logit: float,
-    lr: float,
-    shrink: float,
     lowest: int,
-) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
-    """SGD steps of a plain-layer model whose last layer is a linear head, updating ``weights``
-    and ``biases`` in place.
+) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+    """The steps of a plain-layer model whose last layer is a linear head (TorchScript-compatible).
 
-    TorchScript-compatible. Without ``has_head``, the last layer is the body's and the loss has
-    no cross-entropy. Per layer ``i``: ``kinds[i]``, integer ``settings[i]``,
-    ``weights[i]`` / ``biases[i]`` (empty when absent; linear body layers' weights transposed,
-    ``W^T``, contiguous) and ``flags[i] = [has bias, weight trained, bias trained]``. The trained
-    tensors are views of ``flat``; ``anchor`` and ``linear`` (empty when absent) are the
-    regularizers' coefficients laid out like it, and ``pull`` is ``lr (strength anchor +
-    linear)``, added to ``flat`` at every step after the gradient steps, which shrink the
-    parameters by ``shrink`` (weight decay and the proximal term). Per step: its input, ``-onehot(y)^T * mask / n``,
-    ``mask / n`` and, for the alignment term (empty without one), its rows' centroids ``c``
-    ``[B, M]`` and ``2 w = 2 centroid_weights[y] mask / n`` ``[B, 1]``: the term adds
-    ``2 w (a - c)`` to the gradient in the head's input ``a``. The head computes transposed
-    logits ``W a^T``: with 10-row minibatches and 10-class heads, these are the layouts whose
-    matrix products run fastest. Returns each step's log-probabilities ``[K, B]`` and, before the
-    step, ``||flat - anchor||^2``, ``<linear, flat>`` and ``sum 2 w ||a - c||^2`` (empty lists
-    without them).
+    Without ``has_head``, the last layer is the body's and the loss has no cross-entropy. Per
+    layer ``i``: ``kinds[i]``, integer ``settings[i]``, and ``flags[i] = [has bias, weight
+    trained, bias trained]``; point ``p``'s layers are ``weights[p][i]`` / ``biases[p][i]``
+    (empty when absent; linear body layers' weights transposed, ``W^T``, contiguous), its trained
+    tensors views of ``flats[p]`` (flats past the points: vectors that only mixes read). Step
+    ``j`` mixes the flats (:func:`_mix`), runs :func:`~pflego.fused_passes.forward_pass` at point
+    ``at[j]`` on minibatch ``feed[j]`` and :func:`~pflego.fused_passes.backward_pass` into point
+    ``into[j]`` (``t <- shrinks[j] t - lrs[j] g``), then mixes the flats again. Per minibatch: its
+    input, ``-onehot(y)^T * mask / n``, ``mask / n`` and, for the alignment term (empty without
+    one), its rows' centroids ``c`` ``[B, M]`` and ``2 w = 2 centroid_weights[y] mask / n``
+    ``[B, 1]``: the term adds ``2 w (a - c)`` to the gradient in the head's input ``a``. The head
+    computes transposed logits ``W a^T``: with 10-row minibatches and 10-class heads, these are
+    the layouts whose matrix products run fastest. Returns each step's log-probabilities ``[K,
+    B]``; for the steps with ``record``, the squared norm of point ``into[j]`` after the update;
+    and, at point ``at[j]`` before the step, ``||flat - anchor||^2``, ``<linear, flat>`` (each
+    empty, with ``anchor`` / ``linear`` laid out like the flats, when absent) and ``sum 2 w ||a -
+    c||^2`` (empty without an alignment term).
     """
-    params = weights
-    scratch = torch.empty_like(anchor)
     log_probs: list[Tensor] = []
+    norms: list[Tensor] = []
     distances: list[Tensor] = []
     dots: list[Tensor] = []
     alignments: list[Tensor] = []
-    for s in range(len(inputs)):
+    scratch = torch.empty_like(anchor)
+    for j in range(len(at)):
+        _mix(flats, mixes[j], mix_weights[j])
+        r, p, q = feed[j], at[j], into[j]
         if anchor.numel() > 0:  # into a buffer kept across steps: no allocation per step
-            difference = torch.sub(flat, anchor, out=scratch)
+            difference = torch.sub(flats[p], anchor, out=scratch)
             distances.append(torch.dot(difference, difference))
         if linear.numel() > 0:
-            dots.append(torch.dot(linear, flat))
+            dots.append(torch.dot(linear, flats[p]))
         a, log_p, grad_t, saved, indices, shapes = forward_pass(
-            has_head, kinds, settings, params, biases, flags, inputs[s], negative_target[s],
-            weight_rows[s], label_mask, masked, lowest_logit,
+            has_head, kinds, settings, weights[p], biases[p], flags, inputs[r],
+            negative_target[r], weight_rows[r], label_mask, masked, lowest_logit,
         )  # fmt: skip
         log_probs.append(log_p)
-        feature_grad = centroid_rows[s]  # empty without an alignment term
+        feature_grad = centroid_rows[r]  # empty without an alignment term
         if feature_grad.numel() > 0:
-            gap = a - centroid_targets[s]
+            gap = a - centroid_targets[r]
             feature_grad = gap * feature_grad
             alignments.append(torch.dot(gap.flatten(), feature_grad.flatten()))
         backward_pass(
-            has_head, kinds, settings, params, biases, params, biases, flags, saved, indices,
-            shapes, a,
-            grad_t, feature_grad, ones, lr, shrink, lowest,
+            has_head, kinds, settings, weights[p], biases[p], weights[q], biases[q], flags, saved,
+            indices, shapes, a, grad_t, feature_grad, ones, lrs[j], shrinks[j], lowest,
         )  # fmt: skip
-        if pull.numel() > 0:
-            flat.add_(pull)
-    return log_probs, distances, dots, alignments
+        _mix(flats, after[j], after_weights[j])
+        if record[j]:
+            norms.append(torch.dot(flats[q], flats[q]))
+    return log_probs, norms, distances, dots, alignments
+
+
+def _mix(flats: list[Tensor], mixes: list[list[int]], weights: list[float]) -> None:
+    """The mixes ``[dst, start, end]`` (``end`` -1: ``dst += weight start``) with their
+    ``weights`` on the flats, in place (TorchScript-compatible)."""
+    for m in range(len(mixes)):
+        dst, start, end = flats[mixes[m][0]], flats[mixes[m][1]], mixes[m][2]
+        if end < 0:
+            dst.add_(start, alpha=weights[m])
+        elif weights[m] == 0.0:
+            dst.copy_(start)
+        elif mixes[m][0] == mixes[m][1]:
+            dst.lerp_(flats[end], weights[m])
+        else:
+            torch.lerp(start, flats[end], weights[m], out=dst)

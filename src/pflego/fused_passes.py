@@ -3,9 +3,8 @@
 :func:`forward_pass` runs a plain-layer model with a linear head on one minibatch, keeping what the
 backward pass reads; :func:`backward_pass` takes the loss's gradient back through the layers and
 applies each layer's SGD update as soon as the gradient below it is taken, folded into the
-weight-gradient GEMM. :mod:`pflego.fused` (plain SGD steps) and :mod:`pflego.fused_bilevel`
-(gradients taken at one point that update another) write loops around them, which
-:func:`compiled` compiles.
+weight-gradient GEMM. The kernel of :mod:`pflego.fused` (a step program's steps, whose gradients
+may be taken at one point and update another) loops over them, and :func:`compiled` compiles it.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ def forward_pass(
     masked: bool,
     lowest_logit: float,
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor], list[Tensor], list[list[int]]]:
-    """One step's forward pass (the arguments as in :func:`pflego.fused._steps`): the head's
+    """One step's forward pass (the arguments as in :func:`pflego.fused._program`): the head's
     input, the log-probabilities ``[K, B]``, the loss's gradient in the transposed logits, and
     what the backward pass reads (each layer's kept input or output, pooling indices and input
     shapes). Without ``has_head``, every layer is the body's, and the log-probabilities and

@@ -13,11 +13,12 @@ one.
 A step first applies its ``mixes``, then takes the loss's gradient ``g`` at point ``at`` on the
 minibatch of schedule row ``row``, adds its ``pulls`` in closed form (``g += c point[k]``: a
 proximal term's ``lam (theta - anchor)``, a linear term) and updates point ``into`` by ``into <-
-shrink into - lr g`` or, with an optimizer, by the optimizer's update (momentum, Adam: its state
-carried from step to step), then applies its ``after`` mixes. A mix is ``(dst, start, end,
+shrink into - lr g`` or, with an optimizer, by the optimizer's update (momentum, Adam: a state
+per updated point, carried from step to step), then applies its ``after`` mixes. A mix is ``(dst, start, end,
 weight)``, ``point[dst] <- point[start] + weight (point[end] - point[start])`` (mixtures of
 points, and copies with weight 0), or ``(dst, src, weight)``, ``point[dst] <- point[dst] + weight
-point[src]`` (sums). The schedule is the client's whole
+point[src]`` (sums). A point given as ``None`` is scratch (APFL's mixture): a mix writes it
+before a step reads it, and it comes back as ``None``. The schedule is the client's whole
 one (static shapes, no host synchronization in the reference): a step whose row, or one of its
 ``gate`` rows, is empty changes nothing (its mixes included).
 """
@@ -64,6 +65,8 @@ class Step:
         gate: Other rows that must hold samples for the step to run (a meta-step's group).
         after: What happens to the points after the update.
         pulls: ``(k, c)``: ``c point[k]`` added to the gradient before the update.
+        scale: The factor on the loss's gradient (APFL: v's gradient at the mixture
+            ``w + alpha (v - w)`` is ``alpha`` times the gradient there).
     """
 
     at: int
@@ -76,14 +79,15 @@ class Step:
     gate: tuple[int, ...] = ()
     after: tuple[Mix, ...] = ()
     pulls: tuple[tuple[int, Weight], ...] = ()
+    scale: Weight = 1.0
 
 
 class Outcome(NamedTuple):
     """A program's result: the points after its steps (new tensors where a step wrote them)
     and, per step ``[S]``, the loss at its point ``at`` on its minibatch before its update,
     whether it ran (1 or 0) and, for the steps with ``record``, the squared norm it recorded (0
-    for the others and where a step did not run); and the optimizer's state after the steps
-    (``{}`` without an optimizer)."""
+    for the others and where a step did not run); and the optimizer's state after the steps, of the
+    point the first step updates (``{}`` without an optimizer)."""
 
     points: list[Params]
     values: Tensor
@@ -130,12 +134,31 @@ def apply_mixes(points: list[Params], mixes: Sequence[Mix], on: Tensor) -> None:
             new = mixed(points[rest[0]], points[rest[1]], rest[2])
         else:
             new = {k: v + rest[1] * points[rest[0]][k] for k, v in points[dst].items()}
-        points[dst] = tree.where(on, new, points[dst])
+        points[dst] = new if points[dst] is None else tree.where(on, new, points[dst])
+
+
+def step_gradient(
+    loss: Callable[[Params, Tensor, Tensor, Tensor], Tensor],
+    points: Sequence[Params],
+    data: ClientData,
+    step: Step,
+) -> tuple[Params, Tensor]:
+    """The step's gradient (scaled, its pulls added) at its point on its minibatch, and the loss
+    there."""
+    whole_set = data.batches.shape[-1] == data.x.shape[0]  # a row of every sample, as is
+    idx, mask = data.batches[step.row], data.batch_mask[step.row]
+    x, y = (data.x, data.y) if whole_set else (data.x[idx], data.y[idx])
+    g, value = grad_and_value(loss)(points[step.at], x, y, mask)
+    if isinstance(step.scale, Tensor) or step.scale != 1:
+        g = tree.scale(g, step.scale)
+    for k, c in step.pulls:
+        g = tree.axpy(c, points[k], g)
+    return g, value
 
 
 def autograd_program(
     loss: Callable[[Params, Tensor, Tensor, Tensor], Tensor],
-    points: Sequence[Params],
+    points: Sequence[Params | None],
     data: ClientData,
     steps: Sequence[Step],
     optimizer: Optimizer | None = None,
@@ -143,35 +166,34 @@ def autograd_program(
 ) -> Outcome:
     """The steps with ``torch.func`` gradients of ``loss(params, x, y, mask)`` (the reference:
     any loss, under vmap too); with an ``optimizer``, its updates from ``opt_state`` (a fresh
-    state when ``None``) on the one point every step updates."""
-    points = [dict(p) for p in points]
-    if optimizer is not None and opt_state is None:
-        opt_state = optimizer.init(points[steps[0].into]) if steps else {}
+    state when ``None``) on the point the first step updates, and from a fresh state on any
+    other point a step updates."""
+    scratch = [p is None for p in points]
+    points = [None if p is None else dict(p) for p in points]
+    states = {} if opt_state is None or not steps else {steps[0].into: opt_state}
     runs = active_steps(data, steps)
-    whole_set = data.batches.shape[-1] == data.x.shape[0]  # a row of every sample, as is
     values, norms = [], []
     for step, on in zip(steps, runs, strict=True):
         apply_mixes(points, step.mixes, on)
-        idx, mask = data.batches[step.row], data.batch_mask[step.row]
-        x, y = (data.x, data.y) if whole_set else (data.x[idx], data.y[idx])
-        g, value = grad_and_value(loss)(points[step.at], x, y, mask)
-        for k, c in step.pulls:
-            g = tree.axpy(c, points[k], g)
+        g, value = step_gradient(loss, points, data, step)
         old = points[step.into]
         if optimizer is None:
             new = {k: step.shrink * v - step.lr * g[k] for k, v in old.items()}
             points[step.into] = tree.where(on, new, old)
         else:
-            points[step.into], opt_state = optimizer.masked_update(old, g, opt_state, step.lr, on)
+            state = states[step.into] if step.into in states else optimizer.init(old)
+            points[step.into], states[step.into] = optimizer.masked_update(
+                old, g, state, step.lr, on
+            )
         apply_mixes(points, step.after, on)
         values.append(torch.where(on, value.detach(), 0.0))
         norm = tree.sq_norm(points[step.into]) if step.record else torch.zeros_like(value)
         norms.append(torch.where(on, norm.detach(), 0.0))
     dtype = values[0].dtype if values else data.batch_mask.dtype
     return Outcome(
-        points,
+        [None if s else p for s, p in zip(scratch, points, strict=True)],
         torch.stack(values) if values else data.batch_mask.new_zeros(0),
         runs.to(dtype),
         torch.stack(norms) if norms else data.batch_mask.new_zeros(0),
-        {} if opt_state is None else opt_state,
+        states.get(steps[0].into, {}) if steps else {},
     )

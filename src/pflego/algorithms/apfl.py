@@ -43,9 +43,10 @@ predicts with w.
 A client that never trained runs these local steps once from the global model (``v_i = w``) on its
 training split (the run's schedule) and predicts with the resulting mixture.
 
-Speed: with plain SGD and alpha_i fixed through each step (not ``adaptive_alpha`` with
-``alpha_update="step"``), a client's steps run as one fused program (:mod:`pflego.fused_bilevel`)
-on the ``fused`` backend, which ``auto`` then picks on CPU; otherwise autograd, step by step.
+Speed: with alpha_i fixed through each step (not ``adaptive_alpha`` with ``alpha_update="step"``),
+a client's steps are one step program with the client optimizer, which runs fused
+(:mod:`pflego.fused_bilevel`) for plain SGD on the ``fused`` backend (``auto`` then picks it on
+CPU); otherwise autograd, step by step.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from pflego import tree
 from pflego.algorithms.base import Algorithm, register
 from pflego.fields import between, one_of, setting
 from pflego.local import run_program, train_steps
-from pflego.optim import SGD, Optimizer, OptState
+from pflego.optim import Optimizer, OptState
 from pflego.program import Step
 from pflego.tree import Params
 from pflego.types import ClientData, ClientOut, RoundContext
@@ -166,83 +167,72 @@ class APFL(Algorithm):
         return torch.where(real.any(), stepped, alpha)
 
     def client_update(self, downlink, state, data: ClientData, ctx: RoundContext):
-        risk = lambda p, x, y, m: self.loss(p, x, y, m, data.label_mask)  # noqa: E731
-        per_step = self.adaptive_alpha and self.alpha_update == "step"
-
-        def objective(alpha):
-            def value(p, x, y, m):
-                w, v = tree.strip_prefix("w.", p), tree.strip_prefix("v.", p)
-                # w enters the mixture as a constant: its own gradient is grad f_i(w) alone.
-                mixed = self.mixture(tree.detach(w), v, p["alpha"] if per_step else alpha)
-                return risk(w, x, y, m) + risk(mixed, x, y, m)
-
-            return value
-
-        params = {
-            **tree.add_prefix("w.", downlink),
-            **tree.add_prefix("v.", self.local_model(downlink, state)),
-        }
-        alpha = state["alpha"]
-        if per_step:
-            params["alpha"] = alpha
-        once = None
-        if self.adaptive_alpha and self.alpha_update == "round":
-            v = tree.strip_prefix("v.", params)
-            once = self.first_step_alpha(downlink, v, alpha, data, ctx.client_lr)
+        v, alpha = self.local_model(downlink, state), state["alpha"]
         optimizer = self.local_optimizer()
-        if per_step or type(optimizer) is not SGD:  # alpha_i a parameter, or a stateful optimizer
-            params, mean_loss = self.autograd_steps(
-                objective, params, alpha, once, optimizer, data, ctx.client_lr
+        if self.adaptive_alpha and self.alpha_update == "step":  # alpha_i a parameter of each step
+            w, v, alpha, mean_loss = self.autograd_steps(
+                downlink, v, alpha, optimizer, data, ctx.client_lr
             )
-        else:  # SGD with alpha_i fixed within each step: a step program (fused where it can)
-            w, v = tree.strip_prefix("w.", params), tree.strip_prefix("v.", params)
-            steps = self.program(alpha, once, data, ctx.client_lr, optimizer.weight_decay)
-            outcome = run_program(self.model_objective(data.label_mask), [w, v, v], data, steps)
+        else:  # alpha_i fixed within each step: a step program (fused where it can)
+            once = None
+            if self.adaptive_alpha:  # alpha_update "round"
+                once = self.first_step_alpha(downlink, v, alpha, data, ctx.client_lr)
+            steps = self.program(alpha, once, data, ctx.client_lr)
+            objective = self.model_objective(data.label_mask)
+            outcome = run_program(objective, [downlink, v, None], data, steps, optimizer)
             w, v, _ = outcome.points
-            params = {**tree.add_prefix("w.", w), **tree.add_prefix("v.", v)}
+            alpha = alpha if once is None else once
             mean_loss = outcome.mean_value(stride=2)
         new_state = {
-            **tree.add_prefix("v.", tree.strip_prefix("v.", params)),
-            "alpha": params["alpha"] if per_step else (alpha if once is None else once),
+            **tree.add_prefix("v.", v),
+            "alpha": alpha,
             "trained": torch.ones_like(state["trained"]),
         }
-        upload = tree.sub(downlink, tree.strip_prefix("w.", params))
         metrics = {"loss": mean_loss}  # f_i(w) + f_i(v-bar), per step
-        return ClientOut(upload, data.num_samples, metrics), new_state
+        return ClientOut(tree.sub(downlink, w), data.num_samples, metrics), new_state
 
-    def autograd_steps(self, objective, params, alpha, once, optimizer, data, lr):
-        """The round's local steps, one ``train_steps`` call each (``objective(alpha)``: the
-        step's loss); returns the parameters and the mean loss over the real steps."""
-        per_step = "alpha" in params
+    def autograd_steps(
+        self, w: Params, v: Params, alpha: Tensor, optimizer: Optimizer, data: ClientData, lr: float
+    ) -> tuple[Params, Params, Tensor, Tensor]:
+        """The round's local steps with alpha_i a parameter, one ``train_steps`` call each (alpha_i
+        projected onto [0, 1] after it); returns w_i, v_i, alpha_i and the mean loss over the
+        real steps."""
+
+        def objective(p, x, y, m):
+            w, v = tree.strip_prefix("w.", p), tree.strip_prefix("v.", p)
+            # w enters the mixture as a constant: its own gradient is grad f_i(w) alone.
+            mixed = self.mixture(tree.detach(w), v, p["alpha"])
+            return self.loss(w, x, y, m, data.label_mask) + self.loss(
+                mixed, x, y, m, data.label_mask
+            )
+
+        params = {**tree.add_prefix("w.", w), **tree.add_prefix("v.", v), "alpha": alpha}
         opt_state = optimizer.init(params)
         total, count = torch.zeros(()), torch.zeros(())
         for s in range(data.batches.shape[0]):
             params, opt_state, loss = train_steps(
-                objective(alpha), params, data, optimizer, opt_state, lr, slice(s, s + 1)
+                objective, params, data, optimizer, opt_state, lr, slice(s, s + 1)
             )
-            if per_step:
-                params["alpha"] = params["alpha"].clamp(0, 1)
+            params["alpha"] = params["alpha"].clamp(0, 1)
             real = data.batch_mask[s].sum() > 0
-            if once is not None:  # the first real step used the old alpha_i, later ones the new
-                alpha = torch.where(real & (count == 0), once, alpha)
             total, count = total + loss, count + real.to(count.dtype)
-        return params, total / count.clamp(min=1)
+        w, v = tree.strip_prefix("w.", params), tree.strip_prefix("v.", params)
+        return w, v, params["alpha"], total / count.clamp(min=1)
 
     def program(
-        self, alpha: Tensor, once: Tensor | None, data: ClientData, lr: float, decay: float
+        self, alpha: Tensor, once: Tensor | None, data: ClientData, lr: float
     ) -> list[Step]:
-        """The round's SGD steps with alpha_i fixed within each step, on the points w (0), v (1)
-        and v-bar (2): per step, w's step at w and v's at the mixture v-bar of the step's
+        """The round's steps with alpha_i fixed within each step, on the points w (0), v (1)
+        and v-bar (2, scratch): per step, w's step at w and v's at the mixture v-bar of the step's
         starting point, whose gradient in v is ``a grad f_i(v-bar)``, with ``a`` the old alpha_i
         until the first real step and ``once`` (when given) after it."""
         real = (data.batch_mask.sum(-1) > 0).to(alpha.dtype)
         before = torch.cumsum(real, 0) - real  # the real steps before each
         weights = alpha.expand_as(real) if once is None else torch.where(before > 0, once, alpha)
-        shrink = 1 - lr * decay
         steps = []
-        for row, (a, step) in enumerate(zip(weights.unbind(0), (lr * weights).unbind(0))):
+        for row, a in enumerate(weights.unbind(0)):
             mix = ((2, 0, 1, a),)  # v-bar <- w + a (v - w)
-            steps += [Step(0, 0, lr, shrink, row, mix), Step(2, 1, step, shrink, row)]
+            steps += [Step(0, 0, lr, 1.0, row, mix), Step(2, 1, lr, 1.0, row, scale=a)]
         return steps
 
     def population_metrics(self, server, states):
