@@ -9,7 +9,7 @@ import torch
 from test_fused import client, setting
 from torch.func import vmap
 
-from pflego.fused_bilevel import fused_program
+from pflego.fused_bilevel import fused_program, kernel_steps
 from pflego.local import fused_steps, run_program, train_steps
 from pflego.loss import Alignment, Batch, CrossEntropy, FusedForm, Linear, Objective, Proximal, Term
 from pflego.optim import SGD, Momentum
@@ -63,6 +63,29 @@ def test_a_program_runs_fused_as_by_autograd(name, batch_size):
     with fused_steps() as counts:
         run_program(loss, points_for(params), data, steps)
     assert (counts.fused, counts.autograd) == (1, 0)
+
+
+def test_a_program_of_numbers_is_encoded_once_and_one_with_tensors_never():
+    """A program whose weights are all numbers (a pull, a scale, a sum) runs its second time on
+    the kernel arguments of its first, to the same bits; one with a tensor weight is not kept."""
+    model, params, x, y = setting("mlp")
+    data = client(x, y, 4, 2.0)
+    loss = Objective(model, data.label_mask)
+    rows = range(data.batches.shape[0])
+    steps = [Step(0, 0, 0.1, 1.0, r, ((2, 0, 1.0),), pulls=((1, 0.5),), scale=0.7) for r in rows]
+    kernel_steps.cache_clear()
+    first, second = (fused_program(loss, points_for(params), data, steps) for _ in range(2))
+    info = kernel_steps.cache_info()
+    assert (info.misses, info.hits, info.currsize) == (1, 1, 1)
+    for got, expected in zip(second.points, first.points, strict=True):
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert torch.equal(second.values, first.values)
+    reference = autograd_program(loss, points_for(params), data, steps)
+    for got, expected in zip(first.points, reference.points, strict=True):
+        for k in expected:
+            torch.testing.assert_close(got[k], expected[k], atol=1e-10, rtol=1e-10, msg=k)
+    assert fused_program(loss, points_for(params), data, program(len(rows))) is not None
+    assert kernel_steps.cache_info().currsize == 1
 
 
 def test_the_autograd_interpreter_runs_under_vmap_as_client_by_client():

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import lru_cache
 
 import torch
 from torch import Tensor
 
-from pflego.fused import all_plain, plain_plan, run_kernel, step_arguments
+from pflego.fused import StepArguments, all_plain, plain_plan, run_kernel, step_arguments
 from pflego.loss import CrossEntropy, FusedForm, Objective
 from pflego.models import Layer
 from pflego.optim import SGD, Optimizer, OptState
-from pflego.program import Outcome, Step, active_steps
+from pflego.program import Outcome, Step, Weight, active_steps
 from pflego.tree import Params
 from pflego.types import ClientData
 
@@ -46,20 +47,21 @@ def fused_program(
     Returns:
         An :class:`~pflego.program.Outcome`.
     """
-    steps = sgd_steps(steps, optimizer)
-    plan = program_plan(loss, points, data, steps)
+    if optimizer is not None and type(optimizer) is not SGD:
+        return None
+    tensors = [w for w in step_weights(steps) if isinstance(w, Tensor)]
+    plan = program_plan(loss, points, data, steps, tensors)
     if plan is None:
         return None
     runs = active_steps(data, steps).tolist()
-    kept = [s for s, on in zip(steps, runs, strict=True) if on]
     values = data.batch_mask.new_zeros(len(steps))
     norms = values.clone()
-    if not kept:
+    if not any(runs):
         points = [None if p is None else {k: v.clone() for k, v in p.items()} for p in points]
         return Outcome(points, values, values.new_tensor(runs), norms, {})
-    rows = sorted({s.row for s in kept})
-    arguments = step_arguments(kept, {row: j for j, row in enumerate(rows)})
-    written = {s.into for s in kept} | {m[0] for s in kept for m in s.mixes + s.after}
+    encode = kernel_steps.__wrapped__ if tensors else kernel_steps  # tensors: never kept
+    decay = 0.0 if optimizer is None else optimizer.weight_decay
+    kept, rows, arguments, written = encode(tuple(steps), decay, tuple(runs))
     points, kept_values, recorded = run_kernel(
         plan, loss, FORM, points, data, rows, arguments, written
     )
@@ -71,14 +73,41 @@ def fused_program(
     return Outcome(points, values, values.new_tensor(runs), norms, {})
 
 
-def sgd_steps(steps: Sequence[Step], optimizer: Optimizer | None) -> list[Step] | None:
-    """The steps as plain SGD runs them in the kernel: the gradient's scale folded into ``lr``,
-    the optimizer's weight decay and a pull on the updated point itself into ``shrink``, the
-    other pulls added after the update (they read points the update leaves alone); ``None`` for
-    another optimizer."""
-    if optimizer is not None and type(optimizer) is not SGD:
-        return None
-    decay = 0.0 if optimizer is None else optimizer.weight_decay
+@lru_cache(maxsize=64)
+def kernel_steps(
+    steps: tuple[Step, ...], decay: float, runs: tuple[bool, ...]
+) -> tuple[list[Step], list[int], StepArguments, set[int]]:
+    """The steps that run (``runs``) as plain SGD with weight decay ``decay`` runs them
+    (:func:`sgd_steps`), the schedule rows they read, the kernel's arguments and the points
+    they write: made once per program of numbers, since a run's calls repeat them (clients of a
+    size run the same program)."""
+    kept = [s for s, on in zip(sgd_steps(steps, decay), runs, strict=True) if on]
+    rows = sorted({s.row for s in kept})
+    arguments = step_arguments(kept, {row: j for j, row in enumerate(rows)})
+    written = {s.into for s in kept} | {m[0] for s in kept for m in s.mixes + s.after}
+    return kept, rows, arguments, written
+
+
+def step_weights(steps: Sequence[Step]) -> list[Weight]:
+    """The steps' step sizes, shrinkages, scales, pulls' coefficients and mixing weights."""
+    return [
+        w
+        for s in steps
+        for w in (
+            s.lr,
+            s.shrink,
+            s.scale,
+            *(c for _, c in s.pulls),
+            *(m[-1] for m in s.mixes + s.after),
+        )
+    ]
+
+
+def sgd_steps(steps: Sequence[Step], decay: float) -> list[Step]:
+    """The steps as plain SGD with weight decay ``decay`` runs them in the kernel: the
+    gradient's scale folded into ``lr``, the weight decay and a pull on the updated point itself
+    into ``shrink``, the other pulls added after the update (they read points the update leaves
+    alone)."""
     return [
         replace(
             s,
@@ -93,24 +122,22 @@ def sgd_steps(steps: Sequence[Step], optimizer: Optimizer | None) -> list[Step] 
 
 
 def program_plan(
-    loss: object, points: Sequence[Params | None], data: ClientData, steps: Sequence[Step] | None
+    loss: object,
+    points: Sequence[Params | None],
+    data: ClientData,
+    steps: Sequence[Step],
+    tensors: list[Tensor],
 ) -> tuple[Layer, ...] | None:
     """The layers the kernel runs the program on, or ``None`` where it does not fuse: no
-    steps (another optimizer than SGD), another loss than the plain cross-entropy, other layers, points keyed unlike the first, or tensors
+    steps, another loss than the plain cross-entropy, other layers, points keyed unlike the
+    first, or tensors (of the points, or ``tensors``, the steps' weights that are tensors)
     tracked by autograd or wrapped by a ``torch.func`` transform."""
-    if (
-        steps is None
-        or not isinstance(loss, Objective)
-        or loss.terms != (CrossEntropy(),)
-        or not steps
-    ):
+    if not isinstance(loss, Objective) or loss.terms != (CrossEntropy(),) or not steps:
         return None
     plan = plain_plan(loss, FORM, dict(points[0]), data)
     points = [p for p in points if p is not None]
     if plan is None or any(set(p) != set(points[0]) for p in points):
         return None
-    weights = [w for s in steps for w in (s.lr, s.shrink, *(m[-1] for m in s.mixes + s.after))]
-    tensors = [w for w in weights if isinstance(w, Tensor)]
     if not all_plain([v for p in points for v in p.values()] + tensors):
         return None
     return plan
