@@ -287,11 +287,12 @@ class PGFed(Algorithm):
 
     def full_gradient(self, params: Params, data: ClientData) -> tuple[Params, Tensor]:
         """``grad f_i`` and ``f_i``, the mean loss over all the client's samples: a step program
-        of one step per chunk of :data:`GRADIENT_CHUNK` samples (which bounds its memory), each
-        adding its chunk's mean gradient, times its share of the samples, into a second point."""
+        of one step per chunk of at most :data:`GRADIENT_CHUNK` samples (which bounds its memory),
+        the chunks of equal width, each adding its chunk's mean gradient, times its share of the
+        samples, into a second point."""
         n = data.x.shape[0]
-        width = max(min(n, GRADIENT_CHUNK), 1)
-        chunks = -(-n // width)
+        chunks = -(-n // GRADIENT_CHUNK)
+        width = max(-(-n // max(chunks, 1)), 1)  # equal chunks: the fewest padding rows
         index = torch.arange(chunks * width, device=data.mask.device)
         pad = data.mask.new_zeros(chunks * width - n)
         mask = torch.cat([data.mask, pad]).reshape(chunks, width)
