@@ -14,10 +14,10 @@ A step first applies its ``mixes``, then takes the loss's gradient ``g`` at poin
 minibatch of schedule row ``row``, adds its ``pulls`` in closed form (``g += c point[k]``: a
 proximal term's ``lam (theta - anchor)``, a linear term) and updates point ``into`` by ``into <-
 shrink into - lr g`` or, with an optimizer, by the optimizer's update (momentum, Adam: a state
-per updated point, carried from step to step), then applies its ``after`` mixes. A mix is ``(dst, start, end,
-weight)``, ``point[dst] <- point[start] + weight (point[end] - point[start])`` (mixtures of
-points, and copies with weight 0), or ``(dst, src, weight)``, ``point[dst] <- point[dst] + weight
-point[src]`` (sums). A point given as ``None`` is scratch (APFL's mixture): a mix writes it
+per updated point, carried from step to step), then applies its ``after`` mixes. A mix is
+``(dst, start, end, weight)``, ``point[dst] <- point[start] + weight (point[end] -
+point[start])`` (mixtures of points, and copies with weight 0), or ``(dst, src, weight)``,
+``point[dst] <- point[dst] + weight point[src]`` (sums). A point given as ``None`` is scratch (APFL's mixture): a mix writes it
 before a step reads it, and it comes back as ``None``. The schedule is the client's whole
 one (static shapes, no host synchronization in the reference): a step whose row, or one of its
 ``gate`` rows, is empty changes nothing (its mixes included).

@@ -3,8 +3,9 @@
 A generated population never holds every client's samples. Its clients' sizes are drawn for the
 whole population at once (the run needs N = sum N_i); a client's samples are drawn from its own
 seed whenever a round or an evaluation needs them, so a cohort of 1,000 out of 1,000,000 clients
-costs what 1,000 clients cost. The simulator's :class:`~pflego.sim.clients.GeneratedPool` stands where a
-:class:`~pflego.sim.clients.ClientPool` stands and hands out a small pool of the clients asked.
+costs what 1,000 clients cost. The simulator's :class:`~pflego.sim.clients.GeneratedPool`
+stands where a :class:`~pflego.sim.clients.ClientPool` stands and hands out a small pool of the
+clients asked.
 
 ``synthetic-stream``: Synthetic(0.5, 0.5) of FedProx / pFedMe (as ``synthetic``) with small
 clients, ``n_i = floor(LogNormal(2.5, 0.5)) + 5`` samples (about 18; 25% test), ``clients`` of
